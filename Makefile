@@ -1,0 +1,51 @@
+# zero-lab: every course task is one target here. `make help` lists them.
+# Knobs for run/figures: NPROC (ranks per multi-rank cell), BACKEND (auto|gloo|nccl),
+# DEVICE (auto|cpu|cuda), ONLY (run only notebooks whose name starts with this, e.g. ONLY=03).
+
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+NPROC ?= 2
+BACKEND ?= auto
+DEVICE ?= auto
+ONLY ?=
+COURSE_ARGS := --nproc $(NPROC) --backend $(BACKEND) --device $(DEVICE) $(if $(ONLY),--only $(ONLY))
+
+.DEFAULT_GOAL := help
+.PHONY: help setup lab run figures test student bench clean
+
+help: ## list the targets
+	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+
+setup: $(VENV)/.installed ## create .venv and install the package (editable) with dev extras
+
+# Re-installs only when the pins change, so `make setup` is idempotent and fast when current.
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	touch $@
+
+lab: setup ## open the notebooks in JupyterLab (kernel from .venv)
+	$(VENV)/bin/jupyter lab notebooks/
+
+run: setup ## execute every notebook in order with papermill into runs/executed/
+	$(PY) -m zero_lab.course run $(COURSE_ARGS)
+
+figures: setup ## run, then copy the figures the notebooks saved into figures/
+	$(PY) -m zero_lab.course figures $(COURSE_ARGS)
+
+# pytest exits 5 when it collects nothing; that is not a failure of the code under test.
+test: setup ## ruff, pytest on tests/, nbval on every notebook (CPU)
+	$(VENV)/bin/ruff check zero_lab tests
+	$(PY) -m pytest tests || [ $$? -eq 5 ]
+	$(PY) -m pytest --nbval-lax -p no:cacheprovider notebooks/ || [ $$? -eq 5 ]
+
+student: setup ## write student copies (solutions replaced by stubs) to build/student/
+	$(PY) -m zero_lab.grading student --out build/student
+
+bench: setup ## benchmark DDP, ZeroRedundancyOptimizer and zero_lab stages into runs/bench/
+	$(PY) -m zero_lab.bench
+
+clean: ## remove executed notebooks, run outputs, student copies and caches (keeps .venv)
+	rm -rf runs build notebooks/workers .pytest_cache .ruff_cache
+	find . -name __pycache__ -not -path './$(VENV)/*' -prune -exec rm -rf {} +

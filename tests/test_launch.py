@@ -1,0 +1,150 @@
+"""The torchrun launcher: reports, live output, logs, failures, timeouts, bad input."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from zero_lab.launch import LaunchError, LaunchTimeout, report, torchrun
+
+PROBE = Path(__file__).parent / "workers" / "probe.py"
+
+
+def _processes_with(marker: str) -> list[str]:
+    """Command lines of live processes whose environment holds `marker` (leftover ranks)."""
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            if marker.encode() in (proc / "environ").read_bytes():
+                found.append((proc / "cmdline").read_bytes().replace(b"\0", b" ").decode())
+        except OSError:
+            continue
+    return found
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_every_rank_reports_and_rank0_streams(nproc, capsys):
+    marker = uuid.uuid4().hex
+    result = torchrun(PROBE, nproc=nproc, args=["--lines", "3"],
+                      env={"ZERO_LAB_TEST_MARKER": marker})
+    assert [r["rank"] for r in result.ranks] == list(range(nproc))
+    expected_sum = nproc * (nproc + 1) / 2
+    for r, rep in enumerate(result.ranks):
+        assert rep == {
+            "rank": r, "world_size": nproc, "backend": "gloo", "sum": expected_sum,
+            "omp_threads": "1", "marker": marker, "env_backend": "gloo",
+        }
+    assert result.backend == "gloo" and result.nproc == nproc
+    assert result.wall_time > 0
+    out = capsys.readouterr().out
+    assert out.splitlines() == [f"[rank0] line {i} from rank 0" for i in range(3)]
+    for r in range(nproc):  # every rank's own output is kept in its log file
+        assert (result.run_dir / f"rank{r}.out").read_text().splitlines()[-1] == (
+            f"line 2 from rank {r}")
+    assert _processes_with(marker) == []
+
+
+def test_caller_env_overrides_omp_threads():
+    result = torchrun(PROBE, nproc=2, env={"OMP_NUM_THREADS": "2"}, stream=False)
+    assert {r["omp_threads"] for r in result.ranks} == {"2"}
+
+
+def test_failing_rank_raises_with_its_traceback():
+    marker = uuid.uuid4().hex
+    with pytest.raises(LaunchError) as info:
+        torchrun(PROBE, nproc=3, args=["--fail-rank", "2", "--late-fail-rank", "0"],
+                 env={"ZERO_LAB_TEST_MARKER": marker}, stream=False)
+    message = str(info.value)
+    assert message.startswith(
+        "rank 2 of 3 failed in probe.py: ValueError: deliberate failure on rank 2")
+    assert 'probe.py", line' in message and "Traceback" in message
+    assert str(info.value.run_dir / "rank2.err") in message
+    assert info.value.rank == 2
+    assert _processes_with(marker) == []
+
+
+def test_non_serialisable_report_is_named():
+    with pytest.raises(LaunchError, match=r"data\['loss'\] is not JSON-serialisable \(Tensor"):
+        torchrun(PROBE, nproc=2, args=["--bad-report"], stream=False)
+
+
+def test_hang_is_killed_soon_after_timeout():
+    marker = uuid.uuid4().hex
+    start = time.monotonic()
+    with pytest.raises(LaunchTimeout, match="ran past timeout=12s"):
+        torchrun(PROBE, nproc=2, args=["--hang-rank", "1"], timeout=12,
+                 env={"ZERO_LAB_TEST_MARKER": marker}, stream=False)
+    elapsed = time.monotonic() - start
+    assert 12 <= elapsed < 12 + 6
+    assert _processes_with(marker) == []
+
+
+def test_two_launches_at_once_do_not_collide():
+    results, errors = {}, []
+
+    def launch(key):
+        try:
+            results[key] = torchrun(PROBE, nproc=2, stream=False)
+        except Exception as exc:  # noqa: BLE001 - collected and asserted below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=launch, args=(k,)) for k in "ab"]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+    assert results["a"].run_dir != results["b"].run_dir
+    assert all(rep["sum"] == 3.0 for res in results.values() for rep in res.ranks)
+
+
+def test_works_from_a_plain_terminal():
+    code = f"from zero_lab.launch import torchrun; torchrun({str(PROBE)!r}, nproc=2)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=True).stdout
+    assert out == "[rank0] line 0 from rank 0\n"
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "text"),
+    [
+        ({"nproc": 0}, ValueError, "nproc must be >= 1, got 0"),
+        ({"nproc": "2"}, TypeError, "nproc must be an int (number of ranks), got '2'"),
+        ({"nproc": 2, "args": "--x"}, TypeError, "args must be a list of strings"),
+        ({"nproc": 2, "timeout": 0}, ValueError, "timeout must be a positive number"),
+        ({"nproc": 2, "backend": "mpi"}, ValueError, "backend must be one of"),
+    ],
+)
+def test_bad_arguments_fail_at_once(kwargs, error, text):
+    with pytest.raises(error) as info:
+        torchrun(PROBE, **kwargs)
+    assert text in str(info.value)
+
+
+def test_missing_script_is_named():
+    with pytest.raises(FileNotFoundError, match="script 'no_such_worker.py' does not exist"):
+        torchrun("no_such_worker.py", nproc=2)
+
+
+def test_nccl_without_enough_gpus_is_refused():
+    import torch
+
+    if torch.cuda.device_count() >= 64:
+        pytest.skip("machine has 64 GPUs")
+    with pytest.raises(ValueError, match="backend='nccl' needs one CUDA device per rank"):
+        torchrun(PROBE, nproc=64, backend="nccl")
+
+
+def test_report_outside_a_launch_returns_the_merged_dict(monkeypatch):
+    monkeypatch.delenv("ZERO_LAB_RUN_DIR", raising=False)
+    assert report({"a": 1})["a"] == 1
+    with pytest.raises(TypeError, match="report\\(data\\) takes a dict, got list"):
+        report([1, 2])
