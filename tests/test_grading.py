@@ -1,0 +1,320 @@
+"""zero_lab.grading: checks accept the reference, reject stubs and known mistakes;
+the student-copy generator stubs every solution and clears every output."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from zero_lab import grading, memory
+from zero_lab.grading import Case, ExerciseFailed
+
+REPO = Path(__file__).resolve().parent.parent
+NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
+NB01 = REPO / "notebooks" / "01_memory_accounting.ipynb"
+CHECK_CALL = re.compile(r"grading\.(check_\w+)\((\w+)\)")
+
+
+def _cells(path: Path) -> list[dict]:
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    for cell in nb["cells"]:
+        if isinstance(cell["source"], list):
+            cell["source"] = "".join(cell["source"])
+    return nb["cells"]
+
+
+def _exercises(path: Path) -> list[tuple[str, str, str]]:
+    """(solution cell source, check name, function name) for each exercise of a notebook."""
+    cells = _cells(path)
+    found = []
+    for i, cell in enumerate(cells):
+        if cell["cell_type"] == "code" and grading.BEGIN_MARK in cell["source"]:
+            following = [c for c in cells[i + 1 :] if c["cell_type"] == "code"][:1]
+            match = CHECK_CALL.search(following[0]["source"]) if following else None
+            assert match, f"{path.name} cell {i}: the next code cell must call grading.check_*"
+            found.append((cell["source"], match.group(1), match.group(2)))
+    return found
+
+
+def _define(source: str, name: str):
+    namespace: dict = {}
+    exec(compile(source, "<exercise>", "exec"), namespace)
+    return namespace[name]
+
+
+# ------------------------------------------------------------------------- framework
+
+
+def test_same_compares_by_kind():
+    assert grading.same({"a": 1, "b": 2.0}, {"a": 1, "b": 2.0000001, "extra": 0})
+    assert not grading.same({"a": 1}, {"b": 1})
+    assert grading.same([1, 2.5], (1, 2.5))
+    assert not grading.same([1, 2], [1, 2, 3])
+    assert not grading.same(1, True)  # a bool is not a count
+    assert not grading.same(16, None)
+    assert grading.same(7.5e9, 7_500_000_001)
+    assert not grading.same(7.5e9, 7.6e9)
+
+
+def test_run_cases_pass_line(capsys):
+    grading.run_cases("check_double", lambda x: 2 * x, [Case(args=(2,), expected=4)] * 3)
+    assert capsys.readouterr().out == "✓ check_double: 3/3 hidden cases pass\n"
+
+
+def test_failure_names_case_expected_got_and_hint():
+    with pytest.raises(ExerciseFailed) as info:
+        grading.run_cases("check_double", lambda x: x + 2,
+                          [Case(args=(2,), expected=4), Case(args=(5,), expected=10, hint="x2")])
+    text = str(info.value)
+    assert "case 2/2 (5)" in text and "expected: 10" in text and "got:      7" in text
+    assert "hint: x2" in text
+    assert info.value.__suppress_context__  # no chained traceback from the learner's error
+
+
+def test_known_mistake_gets_its_own_explanation():
+    with pytest.raises(ExerciseFailed, match="you added"):
+        grading.run_cases("check_double", lambda x: x + x + 1, [Case(args=(3,), expected=6)],
+                          wrong_answers=[(lambda x: 2 * x + 1, "you added one")])
+
+
+def test_learner_exception_is_reported_in_one_line():
+    def broken(x):
+        return {}[x]
+
+    with pytest.raises(ExerciseFailed, match=r"case 1/1 \('k'\) raised KeyError: 'k'"):
+        grading.run_cases("check_x", broken, [Case(args=("k",), expected=1)])
+    with pytest.raises(ExerciseFailed, match="expected a function, got int"):
+        grading.run_cases("check_x", 3, [Case(args=(), expected=1)])
+
+
+def test_ipython_shows_the_message_not_a_traceback(capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    try:
+        result = shell.run_cell(
+            "from zero_lab import grading\n"
+            "def stub(p, o):\n    raise NotImplementedError\n"
+            "grading.check_bytes_per_param(stub)\n"
+        )
+    finally:
+        InteractiveShell.clear_instance()  # leave no global shell behind for other tests
+    out = capsys.readouterr().out
+    assert isinstance(result.error_in_exec, ExerciseFailed)
+    assert "check_bytes_per_param: not implemented yet" in out
+    assert "Traceback" not in out and "grading.py" not in out
+
+
+# ------------------------------------------------- notebook 01's checks, both directions
+
+
+def _wrong_bytes_per_param(precision, optimizer):  # forgets the fp32 master copy
+    b = memory.bytes_per_param(precision, optimizer)
+    return {"params": b["params"], "grads": b["grads"], "optimizer": b["optimizer_states"]}
+
+
+def _wrong_states_16bit(precision, optimizer):  # Adam's m and v in 16-bit
+    b = memory.bytes_per_param(precision, optimizer)
+    k = b["master"] + b["optimizer_states"] // (2 if precision == "mixed" else 1)
+    return {"params": b["params"], "grads": b["grads"], "optimizer": k}
+
+
+def _wrong_stage2_like_stage1(psi, stage, n_d, k=12):
+    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n_d, 2: 4 * psi + k * psi / n_d,
+            3: (4 + k) * psi / n_d}[stage]
+
+
+def _wrong_stage1_shards_grads(psi, stage, n_d, k=12):
+    return {0: (4 + k) * psi, 1: 2 * psi + (2 + k) * psi / n_d, 2: 2 * psi + (2 + k) * psi / n_d,
+            3: (4 + k) * psi / n_d}[stage]
+
+
+def _wrong_master_twice(psi, stage, n_d, k=12):
+    k += 4
+    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n_d, 2: 2 * psi + (2 + k) * psi / n_d,
+            3: (4 + k) * psi / n_d}[stage]
+
+
+def _wrong_largest_ignores_stage(gpu, n_d, stage, k=12):
+    return gpu / (4 + k)
+
+
+def _wrong_largest_all_sharded(gpu, n_d, stage, k=12):
+    return gpu * n_d / (4 + k)
+
+
+def _wrong_largest_in_gib(gpu, n_d, stage, k=12):  # converts a byte budget as if it were GiB
+    per = {0: 4 + k, 1: 4 + k / n_d, 2: 2 + (2 + k) / n_d, 3: (4 + k) / n_d}[stage]
+    return gpu / 2**30 * 1e9 / per
+
+
+WRONG = {
+    "check_bytes_per_param": [
+        (_wrong_bytes_per_param, "fp32 master copy"),
+        (_wrong_states_16bit, "optimizer states stay fp32"),
+    ],
+    "check_per_rank_bytes": [
+        (_wrong_stage2_like_stage1, "sharded one state too few"),
+        (_wrong_stage1_shards_grads, "sharded one state too many"),
+        (_wrong_master_twice, "K already includes the fp32 master copy"),
+    ],
+    "check_largest_model": [
+        (_wrong_largest_ignores_stage, "plain data parallelism's limit"),
+        (_wrong_largest_all_sharded, "only stage 3 divides all"),
+        (_wrong_largest_in_gib, "solve per_rank_bytes"),
+    ],
+}
+
+
+@pytest.mark.parametrize("source, check, fn_name", _exercises(NB01),
+                         ids=[e[1] for e in _exercises(NB01)])
+def test_notebook01_check_accepts_reference_rejects_stub_and_mistakes(source, check, fn_name,
+                                                                     capsys):
+    check_fn = getattr(grading, check)
+    check_fn(_define(source, fn_name))  # the notebook's own reference solution
+    assert capsys.readouterr().out.startswith(f"✓ {check}:")
+
+    stub = _define(grading.stub_solutions(source), fn_name)
+    with pytest.raises(ExerciseFailed, match="not implemented yet"):
+        check_fn(stub)
+
+    for mistake, explanation in WRONG[check]:
+        with pytest.raises(ExerciseFailed, match=re.escape(explanation)):
+            check_fn(mistake)
+
+
+def test_notebook01_has_the_three_exercises():
+    assert [e[1] for e in _exercises(NB01)] == [
+        "check_bytes_per_param", "check_per_rank_bytes", "check_largest_model"]
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_every_exercise_calls_an_existing_check(path):
+    for _, check, _ in _exercises(path):
+        assert callable(getattr(grading, check, None)), f"{path.name}: no grading.{check}"
+
+
+# ------------------------------------------------------------------- student copies
+
+
+def test_stub_keeps_indentation_and_code_around_it():
+    source = (
+        "def f(x):\n"
+        "    y = 1\n"
+        "    ### BEGIN SOLUTION\n"
+        "    return x + y\n"
+        "    ### END SOLUTION\n"
+        "\n"
+        "print('after')\n"
+    )
+    stubbed = grading.stub_solutions(source)
+    assert stubbed == (
+        "def f(x):\n"
+        "    y = 1\n"
+        "    # YOUR CODE HERE\n"
+        '    raise NotImplementedError("exercise: replace this line with your solution")\n'
+        "\n"
+        "print('after')\n"
+    )
+    namespace: dict = {}
+    exec(stubbed.replace("print('after')", ""), namespace)
+    with pytest.raises(NotImplementedError):
+        namespace["f"](1)
+
+
+@pytest.mark.parametrize("bad, message", [
+    ("### BEGIN SOLUTION\nx = 1\n", "without '### END SOLUTION'"),
+    ("x = 1\n### END SOLUTION\n", "without '### BEGIN SOLUTION'"),
+    ("### BEGIN SOLUTION\n### BEGIN SOLUTION\n### END SOLUTION\n", "nested"),
+])
+def test_unbalanced_markers_are_refused(bad, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        grading.stub_solutions(bad, "nb.ipynb cell 3")
+
+
+def _toy_notebook() -> dict:
+    return {
+        "nbformat": 4, "nbformat_minor": 5,
+        "metadata": {"kernelspec": {"name": "python3"}, "papermill": {"duration": 1.0}},
+        "cells": [
+            {"cell_type": "markdown", "id": "a", "metadata": {}, "source": "# Title"},
+            {"cell_type": "code", "id": "b", "metadata": {"execution": {"x": 1}},
+             "execution_count": 3,
+             "outputs": [{"output_type": "stream", "name": "stdout", "text": "42\n"}],
+             "source": ["def f():\n", "    ### BEGIN SOLUTION\n", "    return 42\n",
+                        "    ### END SOLUTION\n"]},
+            {"cell_type": "code", "id": "c", "metadata": {}, "execution_count": 4,
+             "outputs": [{"output_type": "stream", "name": "stdout", "text": "ok\n"}],
+             "source": "grading.check_f(f)"},
+        ],
+    }
+
+
+def test_student_notebook_stubs_and_clears_outputs():
+    nb = _toy_notebook()
+    student, n = grading.student_notebook(nb)
+    assert n == 1
+    code = [c for c in student["cells"] if c["cell_type"] == "code"]
+    assert all(c["outputs"] == [] and c["execution_count"] is None for c in code)
+    assert "execution" not in code[0]["metadata"] and "papermill" not in student["metadata"]
+    assert "return 42" not in "".join(code[0]["source"])
+    assert "raise NotImplementedError" in "".join(code[0]["source"])
+    assert student["cells"][0]["source"] == ["# Title"]
+    assert nb["cells"][1]["outputs"]  # the original is untouched
+
+
+def test_cli_writes_student_copies_of_every_notebook(tmp_path):
+    nb_dir = tmp_path / "notebooks"
+    nb_dir.mkdir()
+    (nb_dir / "09_toy.ipynb").write_text(json.dumps(_toy_notebook()))
+    out = tmp_path / "build" / "student"
+    result = subprocess.run(
+        [sys.executable, "-m", "zero_lab.grading", "student", "--notebooks", str(nb_dir),
+         "--out", str(out)],
+        capture_output=True, text=True, check=True, cwd=REPO,
+    )
+    assert "09_toy.ipynb: 1 solution(s) replaced by stubs" in result.stdout
+    written = json.loads((out / "09_toy.ipynb").read_text())
+    assert "### BEGIN SOLUTION" not in json.dumps(written)
+
+
+def test_real_notebooks_produce_compilable_stubs(tmp_path):
+    written = grading.write_student_copies(REPO / "notebooks", tmp_path)
+    assert written["01_memory_accounting.ipynb"] == 3
+    for name in written:
+        for i, cell in enumerate(_cells(tmp_path / name)):
+            if cell["cell_type"] != "code":
+                continue
+            assert cell["outputs"] == [] and cell["execution_count"] is None
+            assert grading.BEGIN_MARK not in cell["source"]
+            # IPython magics and shell escapes are not Python; everything else must compile
+            python = "\n".join(
+                line for line in cell["source"].splitlines()
+                if not line.lstrip().startswith(("%", "!"))
+            )
+            compile(python, f"{name} cell {i}", "exec")
+
+
+def test_student_copy_of_notebook01_runs_and_fails_only_at_the_checks(tmp_path):
+    """Execute the stubbed notebook: every check cell (and nothing else) stops the learner."""
+    nbformat = pytest.importorskip("nbformat")
+    from nbclient import NotebookClient
+
+    grading.write_student_copies(REPO / "notebooks", tmp_path)
+    nb = nbformat.read(tmp_path / NB01.name, as_version=4)
+    NotebookClient(nb, timeout=300, kernel_name="python3", allow_errors=True,
+                   resources={"metadata": {"path": str(REPO / "notebooks")}}).execute()
+    errors = [(c.source, o) for c in nb.cells if c.cell_type == "code"
+              for o in c.outputs if o.output_type == "error"]
+    assert [src for src, _ in errors] == [
+        f"grading.{check}({fn})" for _, check, fn in _exercises(NB01)
+    ]
+    for _, output in errors:
+        assert output.ename == "ExerciseFailed"
+        shown = "\n".join(output.traceback)
+        assert "not implemented yet" in shown and "Traceback" not in shown
