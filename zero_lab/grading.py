@@ -453,33 +453,42 @@ def _function_source(name: str, fn: Callable) -> str:
     raise AssertionError("unreachable")
 
 
-def _run_on_ranks(name: str, fn: Callable, exercise: str, timeout: float = 120.0) -> list[dict]:
-    """Run `exercise` of stage_exercises.py with the learner's `fn` on 3 ranks; their reports.
+def _launch_exercises(name: str, runs: Sequence[tuple[str, Callable]],
+                      timeout: float = 180.0) -> dict[str, list[dict]]:
+    """Run each (exercise, fn) of stage_exercises.py, all in one launch on 3 ranks.
 
-    A learner error on any rank becomes ExerciseFailed naming the case; a hang becomes a
-    timeout message about collectives that not every rank called.
+    Returns {"exercise:function_name": [the report of rank 0, rank 1, rank 2]}. A learner
+    error on any rank becomes ExerciseFailed naming the case; a hang becomes a timeout
+    message about collectives that not every rank called.
     """
     import tempfile
 
     from zero_lab.launch import LaunchError, LaunchTimeout, torchrun
 
-    source = _function_source(name, fn)
-    if _is_stub(fn, exercise):
-        fail(name, "not implemented yet", "replace the `raise NotImplementedError` line")
+    sources = {fn.__name__: _function_source(name, fn) for _, fn in runs}
     folder = Path(tempfile.mkdtemp(prefix=f"zero_lab-{name}-"))
-    (folder / "learner.py").write_text(source, encoding="utf-8")
+    (folder / "learner.py").write_text("\n\n".join(sources.values()), encoding="utf-8")
     worker = Path(__file__).resolve().parent / "workers" / "stage_exercises.py"
+    keys = [f"{exercise}:{fn.__name__}" for exercise, fn in runs]
     nproc = STAGE_EXERCISE_RANKS
     try:
         result = torchrun(worker, nproc=nproc, timeout=timeout, backend="gloo", stream=False,
-                          args=[exercise, str(folder / "learner.py"), fn.__name__])
+                          args=[str(folder / "learner.py"), *keys])
     except LaunchTimeout:
         fail(name, f"the {nproc} ranks did not finish within {timeout:.0f} s",
              "a rank is waiting in a collective that another rank never called: every rank "
              "must issue the same collectives, in the same order, with the same sizes")
     except LaunchError as exc:
         _explain_rank_error(name, exc, nproc)
-    return result.ranks
+    return {key: [rank_report[key] for rank_report in result.ranks] for key in keys}
+
+
+def _run_exercise(name: str, exercise: str, fn: Callable) -> list[dict]:
+    """The per-rank reports of one learner function (a stub fails before any launch)."""
+    _function_source(name, fn)
+    if _is_stub(fn, exercise):
+        fail(name, "not implemented yet", "replace the `raise NotImplementedError` line")
+    return _launch_exercises(name, [(exercise, fn)])[f"{exercise}:{fn.__name__}"]
 
 
 def _is_stub(fn: Callable, exercise: str) -> bool:
@@ -511,13 +520,21 @@ def _is_stub(fn: Callable, exercise: str) -> bool:
 
 
 def _explain_rank_error(name: str, exc, nproc: int) -> None:
-    """Turn a failed launch into the learner's own error, with the case it failed on."""
+    """Turn a failed launch into the learner's own error, with the case it failed on.
+
+    Reads the ranks' reports: records with an "error" under "results" (at the top level or
+    under any key), or a top-level "error" record.
+    """
     for rank in range(nproc):
         path = Path(exc.run_dir or ".") / f"rank{rank}.json"
         if not path.exists():
             continue
-        results = json.loads(path.read_text()).get("results", [])
-        for record in results:
+        data = json.loads(path.read_text())
+        blocks = [data] + [v for v in data.values() if isinstance(v, dict)]
+        records = [r for b in blocks for r in b.get("results", []) if isinstance(r, dict)]
+        if isinstance(data.get("error"), dict):
+            records.append({**data["error"], "error": data["error"]})
+        for record in records:
             error = record.get("error")
             if not error:
                 continue
@@ -526,10 +543,12 @@ def _explain_rank_error(name: str, exc, nproc: int) -> None:
                      "replace the `raise NotImplementedError` line")
             hint = ("your function runs on its own on each rank: use only its arguments, "
                     "torch, dist, nn and math (import anything else inside it)"
-                    if error["type"] == "NameError" else
-                    "the traceback's last lines, in the cell above, say where")
-            fail(name, f"case {record['case']} ({record['label']}) raised on rank {rank}: "
-                       f"{error['type']}: {error['message']}", hint)
+                    if error["type"] == "NameError" else "")
+            where = error.get("where") or error.get("traceback", "")
+            where = "\n".join(where.strip().splitlines()[-6:])
+            fail(name, f"case {record.get('case', '?')} ({record.get('label', '')}) raised on "
+                       f"rank {rank}: {error['type']}: {error['message']}"
+                       + (f"\n{where}" if where else ""), hint)
     text = str(exc)
     if "NotImplementedError" in text:
         fail(name, "not implemented yet", "replace the `raise NotImplementedError` line")
@@ -546,7 +565,11 @@ def check_owned_range(fn: Callable) -> None:
     used in a real all-gather that must rebuild the buffer.
     """
     name = "check_owned_range"
-    report = _run_on_ranks(name, fn, "owned_range")[0]
+    _judge_owned_range(name, _run_exercise(name, "owned_range", fn))
+
+
+def _judge_owned_range(name: str, reports: list[dict]) -> None:
+    report = reports[0]  # rank 0 gathered every rank's answers
     n = report["world_size"]
     for i, case in enumerate(report["cases"], start=1):
         numel, answers = case["numel"], case["answers"]
@@ -602,7 +625,10 @@ def check_sharded_step(fn: Callable) -> None:
     and one all-gather of the padded buffer (2Ψ).
     """
     name = "check_sharded_step"
-    reports = _run_on_ranks(name, fn, "sharded_step")
+    _judge_sharded_step(name, _run_exercise(name, "sharded_step", fn))
+
+
+def _judge_sharded_step(name: str, reports: list[dict]) -> None:
     n = reports[0]["world_size"]
     for rank, report in enumerate(reports):
         for record in report["results"]:
@@ -664,7 +690,10 @@ def check_bucket_hook(fn: Callable) -> None:
     several bucket layouts, against one process on the global batch.
     """
     name = "check_bucket_hook"
-    reports = _run_on_ranks(name, fn, "bucket_hook")
+    _judge_bucket_hook(name, _run_exercise(name, "bucket_hook", fn))
+
+
+def _judge_bucket_hook(name: str, reports: list[dict]) -> None:
     n = reports[0]["world_size"]
     for rank, report in enumerate(reports):
         for record in report["results"]:
@@ -694,18 +723,20 @@ def check_bucket_hook(fn: Callable) -> None:
                 fail(name, f"{where}: reduce-scatter sizes {[c['nbytes'] for c in rs]}; "
                            f"expected the padded buckets {expected_sizes}",
                      "reduce-scatter bucket.full (N·S elements) into a buffer of S elements")
-            if not record["match"]:
-                fail(name, f"{where}: owned_grad differs from this rank's slice of the "
-                           f"averaged gradient (largest error {record['max_abs_error']:.3g})",
-                     "average across ranks (op=dist.ReduceOp.AVG) and ADD the slice to "
-                     "bucket.owned_grad (+=): the second backward call accumulates")
             if record["grads_kept"]:
                 fail(name, f"{where}: after backward {record['grads_kept']} of "
                            f"{record['params']} parameters still hold a full .grad "
                            f"({record['grads_kept_bytes']} bytes)",
                      "set param.grad = None once it is copied into the bucket. Returning "
                      "None from a hook discards nothing (the seed blog's mistake): a hook's "
-                     "return value None means 'leave the gradient as it is'")
+                     "return value None means 'leave the gradient as it is'. The kept "
+                     "gradient also spoils accumulation: the next backward adds to it, so "
+                     "the bucket receives the earlier gradient twice")
+            if not record["match"]:
+                fail(name, f"{where}: owned_grad differs from this rank's slice of the "
+                           f"averaged gradient (largest error {record['max_abs_error']:.3g})",
+                     "average across ranks (op=dist.ReduceOp.AVG) and ADD the slice to "
+                     "bucket.owned_grad (+=): the second backward call accumulates")
             if record["full_left"]:
                 fail(name, f"{where}: {record['full_left']} bucket(s) still hold their full "
                            "gradient buffer after backward",

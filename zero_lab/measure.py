@@ -73,3 +73,196 @@ def held_model_state_bytes(
         counts[name] = storage_bytes(tensors, seen)
     counts["total"] = sum(counts.values())
     return counts
+
+
+class PeakMemory:
+    """Peak bytes of tensor memory inside a `with` block, on CPU or CUDA.
+
+        with PeakMemory(device) as peak:
+            loss.backward()
+        peak.peak_bytes      # the most bytes alive at once, counting what was held before
+
+    CUDA: the caching allocator's own counters (`torch.cuda.max_memory_allocated`).
+    CPU has no allocator statistics, so this counts storages: every storage an op creates
+    inside the block is added when it appears and removed when it is freed (a weak reference
+    on the storage tells), on top of the bytes alive when the block started. Those are the
+    storages alive at entry as far as the garbage collector knows (`baseline_bytes()`), or the
+    `baseline` you pass (e.g. `held_model_state_bytes(...)["total"]` plus the batch).
+    Outputs that reuse an input's storage (in-place ops, views, collectives) are not new.
+    A storage freed inside the block but created before it is not subtracted, so on CPU the
+    figure can only err high, by at most what the block freed of its starting memory.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu", baseline: int | None = None) -> None:
+        self.device = torch.device(device)
+        self._baseline = baseline
+        self.start_bytes = 0
+        self.peak_bytes = 0
+        self._live = 0
+        self._peak_new = 0
+        self._mode = None
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            self.start_bytes = torch.cuda.memory_allocated(self.device)
+        else:
+            self.start_bytes = self._baseline if self._baseline is not None else baseline_bytes()
+            self._mode = _StorageTracker(self)
+            self._mode.__enter__()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = torch.cuda.max_memory_allocated(self.device)
+        else:
+            self._mode.__exit__(*exc)
+            self.peak_bytes = self.start_bytes + self._peak_new
+
+    def _allocated(self, nbytes: int) -> None:
+        self._live += nbytes
+        self._peak_new = max(self._peak_new, self._live)
+
+    def _freed(self, nbytes: int) -> None:
+        self._live -= nbytes
+
+
+def baseline_bytes() -> int:
+    """Bytes of the distinct CPU storages behind every tensor the garbage collector tracks."""
+    import gc
+
+    # type(o), not isinstance(o, ...): isinstance would touch deprecated module attributes
+    tensors = (o for o in gc.get_objects() if issubclass(type(o), torch.Tensor))
+    return storage_bytes(t for t in tensors if t.device.type == "cpu")
+
+
+def _storage_tracker_base():
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    return TorchDispatchMode
+
+
+class _StorageTracker(_storage_tracker_base()):
+    """Dispatch mode behind PeakMemory on CPU: sees every op and the storages it creates."""
+
+    def __init__(self, owner: PeakMemory) -> None:
+        super().__init__()
+        self.owner = owner
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        inputs = {t.untyped_storage().data_ptr() for t in tree_leaves((args, kwargs))
+                  if isinstance(t, torch.Tensor)}
+        for t in tree_leaves(out):
+            if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+                continue
+            storage = t.untyped_storage()
+            nbytes = storage.nbytes()
+            if storage.data_ptr() in inputs or nbytes == 0:
+                continue
+            inputs.add(storage.data_ptr())
+            self.owner._allocated(nbytes)
+            weakref.finalize(storage, self.owner._freed, nbytes)
+        return out
+
+
+class MemoryTimeline(_storage_tracker_base()):
+    """Bytes of tensor memory alive after every op inside a `with` block: a timeline and its
+    peak, on CPU or CUDA, with labelled marks (e.g. where a ZeRO-3 unit is gathered).
+
+        with MemoryTimeline() as timeline:
+            loss = model(x).sum(); loss.backward()
+            timeline.mark("halfway")           # a labelled point on the timeline
+        timeline.samples      # bytes alive after each op (the first: at entry)
+        timeline.marks        # [(sample index, label)]
+        timeline.peak_bytes   # max(samples); timeline.start_bytes = samples[0]
+
+    CPU: counts distinct storages, and re-reads the size of every one it knows at each
+    sample, so memory freed or regrown *in place* (`untyped_storage().resize_()`, what ZeRO
+    stage 3 and FSDP do with gathered parameters) is seen; PeakMemory, which notes a storage
+    when an op creates it, misses those. The storages known are those behind every tensor
+    the garbage collector tracks at entry (or behind `tensors`, if given), plus every storage
+    an op inside the block reads or writes. Memory that only autograd holds and that was
+    created before the block is not seen: open the block before the forward pass.
+    Each sample costs a pass over the known storages: fine for a training step of a small
+    model, not for a timing loop. CUDA: `torch.cuda.memory_allocated` after every op.
+    """
+
+    def __init__(self, device: torch.device | str = "cpu",
+                 tensors: Iterable[torch.Tensor] | None = None) -> None:
+        super().__init__()
+        self.device = torch.device(device)
+        self._initial = tensors
+        self._storages: dict[int, object] = {}  # StorageImpl address -> weak reference
+        self.samples: list[int] = []
+        self.marks: list[tuple[int, str]] = []
+
+    @property
+    def start_bytes(self) -> int:
+        return self.samples[0] if self.samples else 0
+
+    @property
+    def peak_bytes(self) -> int:
+        return max(self.samples, default=0)
+
+    def live_bytes(self) -> int:
+        """Bytes alive now (CPU: the known storages, each at its current size)."""
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            return torch.cuda.memory_allocated(self.device)
+        total = 0
+        for ref in list(self._storages.values()):
+            storage = ref()
+            if storage is not None:
+                total += storage.nbytes()
+        return total
+
+    def mark(self, label: str) -> None:
+        """Take a sample now and label it."""
+        self.samples.append(self.live_bytes())
+        self.marks.append((len(self.samples) - 1, label))
+
+    def _watch(self, t: object) -> None:
+        import weakref
+
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            return
+        try:
+            storage = t.untyped_storage()
+        except (RuntimeError, NotImplementedError):  # e.g. sparse tensors have no storage
+            return
+        key = storage._cdata
+        if key not in self._storages:
+            self._storages[key] = weakref.ref(storage, lambda _, k=key: self._storages.pop(k, 0))
+
+    def __enter__(self) -> MemoryTimeline:
+        if self.device.type != "cuda":
+            if self._initial is None:
+                import gc
+
+                # type(o), not isinstance: isinstance would touch deprecated module attributes
+                initial = [o for o in gc.get_objects() if issubclass(type(o), torch.Tensor)]
+            else:
+                initial = list(self._initial)
+            self._initial = None  # hold no tensor: a storage's weak-reference callback holds us
+            for t in initial:
+                self._watch(t)
+        self.samples = [self.live_bytes()]
+        self.marks = []
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        from torch.utils._pytree import tree_leaves
+
+        out = func(*args, **(kwargs or {}))
+        if self.device.type != "cuda":
+            for t in tree_leaves((args, kwargs, out)):
+                self._watch(t)
+        self.samples.append(self.live_bytes())
+        return out

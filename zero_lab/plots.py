@@ -191,3 +191,166 @@ def alpha_beta_figure(timings, model, world_size: int | None = None):
         ax.grid(True, which="both", alpha=0.3)
     fig.tight_layout()
     return fig
+
+
+# ---- the benchmark (python -m zero_lab.bench) ---------------------------------------
+
+
+def bench_figure(result: dict):
+    """Three panels per system: step time (best round as a bar, every round's median as a
+    dot), bytes held by rank 0 per category, and bytes one step sends by collective."""
+    import matplotlib.pyplot as plt
+
+    systems = result["systems"]
+    labels = [s.get("short") or s["label"] for s in systems.values()]
+    x = range(len(systems))
+    fig, (ax_t, ax_m, ax_c) = plt.subplots(1, 3, figsize=(15, 4.2))
+
+    best = [s["best_round_ms"] for s in systems.values()]
+    ax_t.bar(x, best, color="#BBBBBB", label="best round (median of its steps)")
+    for i, s in enumerate(systems.values()):
+        ax_t.plot([i] * len(s["round_medians_ms"]), s["round_medians_ms"], "o", color="black",
+                  markersize=3, label="each round" if i == 0 else None)
+        ax_t.annotate(f"{best[i]:.0f}", (i, best[i]), ha="center", va="bottom", fontsize=8,
+                      xytext=(0, 2), textcoords="offset points")
+    ax_t.set_ylabel("ms per step (slowest rank)")
+    ax_t.set_title("step time", fontsize=10)
+    ax_t.legend(fontsize=7.5, loc="lower right")
+
+    rows = [{"label": label, "stage": None, **s["held_bytes"][0]}
+            for label, s in zip(labels, systems.values(), strict=True)]
+    memory_stage_bars(rows, ax=ax_m, unit=2**20, unit_name="MiB",
+                      title="held after backward, rank 0 (params / grads / optimizer)")
+
+    bottoms = [0.0] * len(systems)
+    ops = [op for op in OP_COLORS if any(op in s["comm"][0]["by_op"] for s in systems.values())]
+    for op in ops:
+        values = [s["comm"][0]["by_op"].get(op, {}).get("sent_bytes", 0) / 2**20
+                  for s in systems.values()]
+        ax_c.bar(x, values, bottom=bottoms, color=OP_COLORS[op], label=op)
+        bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
+    for i, top in enumerate(bottoms):
+        ax_c.annotate(f"{top:.1f}", (i, top), ha="center", va="bottom", fontsize=8)
+    ax_c.set_ylabel("MiB sent by rank 0 per step (ring)")
+    ax_c.set_title("communication per step", fontsize=10)
+    ax_c.legend(fontsize=7.5)
+    for ax in (ax_t, ax_m, ax_c):
+        ax.set_xticks(list(x), labels, fontsize=7.5)
+    cfg = result["config"]
+    fig.suptitle(f"{cfg['depth']} x Linear({cfg['width']}) + ReLU, Adam, {cfg['batch']} rows "
+                 f"per rank, N = {result['world_size']} ({result['backend']}, "
+                 f"{result['device']})", fontsize=11)
+    fig.tight_layout()
+    return fig
+
+
+# ---- notebooks 03 and 04: ZeRO stages 1 and 2 ----------------------------------------
+
+
+def _held_range(state: str, stage: int, rank: int, shard: int, padded: int) -> tuple[int, int]:
+    """[start, end) of the flat buffer whose `state` rank `rank` keeps at ZeRO `stage`."""
+    sharded_from = {"optimizer": 1, "grads": 2, "params": 3}[state]
+    return (rank * shard, (rank + 1) * shard) if stage >= sharded_from else (0, padded)
+
+
+def ownership_figure(sizes, names, world_size: int, stage: int, title: str | None = None):
+    """Who owns what in one flat buffer: the parameters laid end to end (padding hatched),
+    the slice boundaries, and, per rank, which part of each state it keeps at `stage`."""
+    import matplotlib.pyplot as plt
+
+    n = world_size
+    total = sum(sizes)
+    shard = -(-total // n)
+    padded = shard * n
+    states = ("params", "grads", "optimizer")
+    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.75 * n))
+    y = 0.0
+    offset = 0
+    for i, (size, name) in enumerate(zip(sizes, names, strict=True)):
+        ax.broken_barh([(offset, size)], (y, 0.8), facecolor="#D9D9D9" if i % 2 else "#A6A6A6",
+                       edgecolor="white")
+        if size > padded * 0.06:
+            ax.text(offset + size / 2, y + 0.4, name, ha="center", va="center", fontsize=7.5)
+        offset += size
+    if padded > total:
+        ax.broken_barh([(total, padded - total)], (y, 0.8), facecolor="white",
+                       edgecolor="black", hatch="///")
+    labels = [(y + 0.4, "flat buffer")]
+    for r in range(n):
+        for k, state in enumerate(states):
+            y = -(r * (len(states) + 1) + k + 1.3) * 0.5
+            lo, hi = _held_range(state, stage, r, shard, padded)
+            ax.broken_barh([(lo, hi - lo)], (y, 0.4), facecolor=STATE_COLORS[state])
+            labels.append((y + 0.2, f"rank {r} {state}"))
+    for r in range(n + 1):
+        ax.axvline(r * shard, color="black", linestyle="--", linewidth=0.8)
+    for r in range(n):
+        ax.text((r + 0.5) * shard, 1.05, f"rank {r} owns [{r * shard:,}, {(r + 1) * shard:,})",
+                ha="center", va="bottom", fontsize=8)
+    ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=7.5)
+    ax.set_xlim(0, padded)
+    ax.set_xlabel(f"element of the flat buffer (Ψ = {total:,}, padded to N·S = {padded:,})")
+    ax.set_title(title or f"ZeRO stage {stage}, N = {n}: what each rank keeps", fontsize=10,
+                 pad=18)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    fig.tight_layout()
+    return fig
+
+
+def predicted_vs_measured_bars(rows, unit=2**20, unit_name="MiB", title=None):
+    """Grouped bars: per row (e.g. "stage 1, rank 0") and per category, the predicted bytes
+    (hatched) beside the measured bytes (solid). Each row: {"label", "predicted",
+    "measured"}, the last two dicts with "params", "grads", "optimizer"."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    states = ("params", "grads", "optimizer")
+    width = 0.13
+    fig, ax = plt.subplots(figsize=(max(6.0, 1.6 * len(rows)), 3.8))
+    for i, row in enumerate(rows):
+        for k, state in enumerate(states):
+            x = i + (k - 1) * 2.2 * width
+            pred, meas = row["predicted"][state] / unit, row["measured"][state] / unit
+            ax.bar(x - width / 2, pred, width, facecolor="white", edgecolor=STATE_COLORS[state],
+                   hatch="////")
+            ax.bar(x + width / 2, meas, width, color=STATE_COLORS[state])
+    ax.set_xticks(range(len(rows)), [row["label"] for row in rows], fontsize=8)
+    ax.set_ylabel(f"{unit_name} per rank")
+    handles = [Patch(color=STATE_COLORS[s], label=s) for s in states] + [
+        Patch(facecolor="white", edgecolor="black", hatch="////", label="predicted"),
+        Patch(color="black", label="measured")]
+    ax.legend(handles=handles, fontsize=7.5, ncol=5, loc="upper right")
+    ax.set_title(title or "model-state bytes per rank: predicted (memory.model_state_bytes) "
+                          "vs measured", fontsize=10)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.15)
+    fig.tight_layout()
+    return fig
+
+
+def peak_vs_held_figure(sweep, references, unit=2**20, unit_name="MiB", title=None):
+    """Stage 2's peak and held bytes against bucket size (`sweep`: dicts with "bucket_mb",
+    "peak", "held"), with other runs' peaks as horizontal lines (`references`: label ->
+    bytes)."""
+    import matplotlib.pyplot as plt
+
+    sweep = sorted(sweep, key=lambda p: p["bucket_mb"])
+    x = [p["bucket_mb"] for p in sweep]
+    fig, ax = plt.subplots(figsize=(7, 3.8))
+    ax.plot(x, [p["peak"] / unit for p in sweep], "o-", color="#C44E52",
+            label="stage 2: peak during the step")
+    ax.plot(x, [p["held"] / unit for p in sweep], "s--", color="#4C72B0",
+            label="stage 2: held after backward")
+    styles = ["-.", ":", "--", "-"]
+    for (label, value), style in zip(references.items(), styles * 3, strict=False):
+        ax.axhline(value / unit, color="black", linestyle=style, linewidth=1)
+        ax.annotate(label, (x[0], value / unit), xytext=(2, 2), textcoords="offset points",
+                    fontsize=7.5)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(x, [f"{b:g}" for b in x])
+    ax.set_xlabel("bucket size (MB)")
+    ax.set_ylabel(f"{unit_name}, rank 0")
+    ax.set_title(title or "peak vs held memory across bucket sizes", fontsize=10)
+    ax.legend(fontsize=7.5, loc="center right")
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,198 @@
+"""Test worker for tests/test_collectives.py: ring ops vs torch, and what the ledger records.
+
+Every rank runs all cases and reports; the parent asserts. One launch per world size.
+"""
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+
+from zero_lab.collectives import (
+    CommLedger,
+    ring_all_gather,
+    ring_all_reduce,
+    ring_reduce_scatter,
+)
+from zero_lab.launch import init_worker, report
+
+info = init_worker()
+rank, n = info.rank, info.world_size
+gen = torch.Generator().manual_seed(1234 + rank)  # different data on every rank
+
+
+def rand(shape, dtype):
+    if dtype.is_floating_point:
+        return torch.randn(shape, generator=gen, dtype=dtype)
+    return torch.randint(-1000, 1000, shape, generator=gen, dtype=dtype)
+
+
+def same(a, b):
+    if a.dtype.is_floating_point:
+        return bool(torch.allclose(a, b, rtol=1e-5, atol=1e-6))
+    return bool(torch.equal(a, b))
+
+
+# ---------------------------------------------------------------- ring ops == torch's
+mismatches = []
+checked = 0
+for dtype in (torch.float32, torch.float64, torch.int64):
+    # all-reduce: any size, including sizes smaller than and not divisible by N
+    for shape in [(1,), (2,), (3,), (5,), (7,), (13,), (1000,), (1001,), (6, 7), (0,)]:
+        x = rand(shape, dtype)
+        mine, ref = x.clone(), x.clone()
+        ring_all_reduce(mine)
+        dist.all_reduce(ref)
+        checked += 1
+        if not same(mine, ref):
+            mismatches.append(f"all_reduce {shape} {dtype}")
+    # reduce-scatter / all-gather: chunk sizes 1, 3, 7, 100 (not powers of two, not aligned)
+    for k in (1, 3, 7, 100):
+        x = rand((n * k,), dtype)
+        mine, ref = torch.empty(k, dtype=dtype), torch.empty(k, dtype=dtype)
+        before = x.clone()
+        ring_reduce_scatter(mine, x)
+        dist.reduce_scatter_single(ref, x)
+        checked += 1
+        if not same(mine, ref) or not torch.equal(x, before):
+            mismatches.append(f"reduce_scatter k={k} {dtype}")
+        part = rand((k,), dtype)
+        mine, ref = torch.empty(n * k, dtype=dtype), torch.empty(n * k, dtype=dtype)
+        ring_all_gather(mine, part)
+        dist.all_gather_single(ref, part)
+        checked += 1
+        if not same(mine, ref):
+            mismatches.append(f"all_gather k={k} {dtype}")
+# non-contiguous tensors and 2-D outputs
+x = rand((5, 4), torch.float64).t()
+mine, ref = x.clone(), x.clone()
+ring_all_reduce(mine)
+dist.all_reduce(ref)
+checked += 1
+if not same(mine, ref):
+    mismatches.append("all_reduce non-contiguous")
+out_mine = torch.empty(4, n * 3, dtype=torch.float64).t()  # non-contiguous output
+out_ref = torch.empty(n * 3, 4, dtype=torch.float64)
+part = rand((3, 4), torch.float64)
+ring_all_gather(out_mine, part)
+dist.all_gather_single(out_ref, part)
+checked += 1
+if not same(out_mine, out_ref):
+    mismatches.append("all_gather non-contiguous output")
+rs_out = torch.empty(2, 3, dtype=torch.float64)
+rs_ref = torch.empty(2, 3, dtype=torch.float64)
+x = rand((n * 2, 3), torch.float64)
+ring_reduce_scatter(rs_out, x)
+dist.reduce_scatter_single(rs_ref, x)
+checked += 1
+if not same(rs_out, rs_ref):
+    mismatches.append("reduce_scatter 2-D")
+# the identity all-reduce = reduce-scatter + all-gather, on torch's own ops
+x = rand((n * 11,), torch.float64)
+ar = x.clone()
+dist.all_reduce(ar)
+piece = torch.empty(11, dtype=torch.float64)
+dist.reduce_scatter_single(piece, x)
+rs_ag = torch.empty(n * 11, dtype=torch.float64)
+dist.all_gather_single(rs_ag, piece)
+checked += 1
+if not same(rs_ag, ar):
+    mismatches.append("identity")
+errors = {}
+try:
+    ring_reduce_scatter(torch.empty(3), torch.empty(3 * n + 1))
+except ValueError as exc:
+    errors["reduce_scatter_size"] = str(exc)
+try:
+    ring_all_gather(torch.empty(3 * n + 1), torch.empty(3))
+except ValueError as exc:
+    errors["all_gather_size"] = str(exc)
+report({"checked": checked, "mismatches": mismatches, "errors": errors})
+
+# ---------------------------------------------------------------- bytes the rings really send
+ring_sent = {}
+for numel in (n * 1000, 1001, 7):
+    t = rand((numel,), torch.float32)
+    with CommLedger() as ledger:
+        ring_all_reduce(t)
+    ring_sent[f"all_reduce_{numel}"] = {
+        "sent": ledger.total_bytes("send"), "ops": sorted({r.op for r in ledger.records}),
+        "sends": ledger.count("send"), "recvs": ledger.count("recv")}
+    out = torch.empty(numel, dtype=torch.float32)
+    with CommLedger() as ledger:
+        ring_reduce_scatter(out, rand((n * numel,), torch.float32))
+    ring_sent[f"reduce_scatter_{numel}"] = {"sent": ledger.total_bytes("send")}
+    out = torch.empty(n * numel, dtype=torch.float32)
+    with CommLedger() as ledger:
+        ring_all_gather(out, rand((numel,), torch.float32))
+    ring_sent[f"all_gather_{numel}"] = {"sent": ledger.total_bytes("send")}
+report({"ring_sent": ring_sent})
+
+
+# ---------------------------------------------------------------- ledger sees every call style
+class AllReduceInBackward(torch.autograd.Function):
+    """Identity forward; all-reduces the incoming gradient inside backward."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.clone()
+        dist.all_reduce(grad)
+        return grad
+
+
+blocks = {}
+with CommLedger() as ledger:
+    t = torch.ones(10)
+    dist.all_reduce(t)
+blocks["all_reduce"] = ledger.as_dicts()
+with CommLedger() as ledger:
+    f64 = torch.float64
+    dist.all_gather_single(torch.empty(6 * n, dtype=f64), torch.ones(6, dtype=f64))
+blocks["all_gather_single"] = ledger.as_dicts()
+with CommLedger() as ledger:
+    bf16 = torch.bfloat16
+    dist.reduce_scatter_single(torch.empty(6, dtype=bf16), torch.ones(6 * n, dtype=bf16))
+blocks["reduce_scatter_single"] = ledger.as_dicts()
+with CommLedger() as ledger:
+    dist.broadcast(torch.ones(9, dtype=torch.int32), src=0)
+blocks["broadcast"] = ledger.as_dicts()
+with CommLedger() as ledger:
+    dist.all_reduce(torch.ones(8), async_op=True).wait()
+blocks["async"] = ledger.as_dicts()
+with CommLedger() as ledger:
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    works = []
+    for p in model.parameters():
+        p.register_post_accumulate_grad_hook(
+            lambda p: works.append(dist.all_reduce(p.grad, async_op=True)))
+    AllReduceInBackward.apply(model(torch.randn(5, 4))).sum().backward()
+    for w in works:
+        w.wait()
+blocks["backward"] = ledger.as_dicts()
+with CommLedger() as ledger:
+    funcol.wait_tensor(funcol.all_reduce(torch.ones(12), "sum", dist.group.WORLD))
+    funcol.wait_tensor(funcol.all_gather_tensor(torch.ones(5), 0, dist.group.WORLD))
+    funcol.wait_tensor(funcol.reduce_scatter_tensor(torch.ones(5 * n), "sum", 0, dist.group.WORLD))
+blocks["functional"] = ledger.as_dicts()
+with CommLedger() as ledger:
+    gathered = [torch.empty(4) for _ in range(n)]
+    dist.all_gather(gathered, torch.ones(4))
+    dist.reduce_scatter(torch.empty(4), [torch.ones(4) for _ in range(n)])
+    dist.barrier()
+blocks["list_forms"] = ledger.as_dicts()
+with CommLedger() as ledger:
+    ops = [dist.P2POp(dist.isend, torch.ones(3), (rank + 1) % n),
+           dist.P2POp(dist.irecv, torch.empty(3), (rank - 1) % n)]
+    for w in dist.batch_isend_irecv(ops):
+        w.wait()
+blocks["batch_p2p"] = ledger.as_dicts()
+with CommLedger() as outer:
+    dist.all_reduce(torch.ones(2))
+    with CommLedger() as inner:
+        dist.all_reduce(torch.ones(3))
+blocks["nested_outer"] = outer.as_dicts()
+blocks["nested_inner"] = inner.as_dicts()
+report({"blocks": blocks})
