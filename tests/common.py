@@ -1,0 +1,19 @@
+"""Shared by test_stages.py and test_partition.py: one launch of the stage-case worker per
+world size, cached for the whole test session (each launch costs a few seconds)."""
+
+from __future__ import annotations
+
+from functools import cache
+
+from zero_lab.launch import torchrun
+from zero_lab.plots import REPO_ROOT
+
+STAGE_CASES = REPO_ROOT / "tests" / "workers" / "stage_cases.py"
+WORLD_SIZES = (1, 2, 3, 4)
+
+
+@cache
+def stage_case_reports(nproc: int) -> tuple[dict, ...]:
+    """Every rank's report from tests/workers/stage_cases.py run on `nproc` gloo ranks."""
+    result = torchrun(STAGE_CASES, nproc=nproc, timeout=600, stream=False, backend="gloo")
+    return tuple(result.ranks)

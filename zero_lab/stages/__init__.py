@@ -1,0 +1,190 @@
+"""`shard()`: data parallelism and ZeRO stages 1-2 on the flat-buffer partition.
+
+    model, opt = shard(model, stage=2)          # inside a torchrun worker
+    for x, y in batches:                        # the ordinary loop, unchanged
+        loss = loss_fn(model(x), y); loss.backward(); opt.step(); opt.zero_grad()
+    weights = full_state_dict(model)            # same dict on every rank
+
+What each stage shards and when it communicates is told in its own module, top to bottom:
+`ddp.py` (stage 0), `zero1.py`, `zero2.py`. The shared mechanics live in
+`zero_lab/partition.py` (the flat buffers), `gradient_sync.py` (hooks and the end-of-backward
+callback) and `sharded_optimizer.py` (the optimizer wrapper, clipping, mixed precision).
+
+`shard()` changes the model in place and returns it: trainable parameters move into flat
+buffers (one per bucket of about `bucket_mb` MB, filled in reverse registration order, the
+order backward produces gradients; the first bucket holds at most 1 MB, as in torch's DDP),
+every rank starts from rank 0's parameters and buffers (broadcast, as torch's DDP does), and
+gradient hooks are installed. Build the optimizer through `shard(..., optimizer=...)`, never
+on `model.parameters()` directly. `model.zero_grad()` is routed to `opt.zero_grad()`.
+
+For the stage modules: a sharded model carries, as attribute `SHARDED_ATTR`, the object whose
+`full_state_dict(model)` method `full_state_dict()` calls (for stages 0-2 the optimizer,
+which knows the flat groups and the fp32 masters).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_lab.partition import make_flat_groups
+from zero_lab.stages.ddp import DataParallel
+from zero_lab.stages.mixed_precision import COMPUTE_DTYPE, to_compute_dtype
+from zero_lab.stages.sharded_optimizer import ShardedOptimizer, check_optimizer
+from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
+from zero_lab.stages.zero1 import Zero1, ZeroRedundancyOptimizer
+from zero_lab.stages.zero2 import Zero2
+
+__all__ = ["shard", "full_state_dict", "ShardedOptimizer", "ZeroRedundancyOptimizer",
+           "DataParallel", "Zero1", "Zero2"]
+
+STAGES = (0, 1, 2, 3)
+PRECISIONS = ("fp32", "mixed")
+SHARDED_ATTR = "_zero_lab_sharded"  # set on a sharded model: the object behind full_state_dict
+FIRST_BUCKET_MB = 1.0  # as torch's DDP: a small first bucket starts communicating early
+
+
+def default_optimizer(params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def shard(
+    model: nn.Module,
+    stage: int,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_optimizer,
+    bucket_mb: float = 25.0,
+    prefetch: bool = True,
+    precision: str = "fp32",
+    *,
+    zero1_variant: str = "reduce_scatter",
+) -> tuple[nn.Module, ShardedOptimizer]:
+    """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
+
+    stage 0: plain data parallelism (bucketed all-reduce overlapped with backward);
+    1: optimizer states sharded; 2: optimizer states and gradients sharded; 3: issue 6.
+    `optimizer` builds a torch optimizer from a list of tensors (an element-wise one: SGD,
+    Adam, AdamW, ...). `bucket_mb` sizes the flat groups (and so the collectives).
+    `prefetch` matters only for stage 3. `precision`: "fp32", or "mixed" (bf16 compute, fp32
+    masters and optimizer states for the owned slice). `zero1_variant="all_reduce"` gives
+    the seed notes' stage 1 that all-reduces gradients (3Ψ per step instead of 2Ψ).
+    Needs an initialised default process group; call it on every rank.
+    """
+    _check_arguments(stage, bucket_mb, prefetch, precision, zero1_variant)
+    if stage == 3:
+        raise NotImplementedError("stage 3 lands with issue 6")
+    _check_model(model)
+    probe = [nn.Parameter(torch.zeros(1))]  # try the optimizer function before changing anything
+    check_optimizer(optimizer(probe), probe)
+    mixed = precision == "mixed"
+
+    # Trainable parameters, each once (a tied weight is one Parameter), into flat groups of
+    # about bucket_mb, the last layers first (the order backward produces their gradients);
+    # every rank starts from rank 0's values.
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    grad_bytes = torch.tensor([], dtype=COMPUTE_DTYPE).element_size() if mixed else 4
+    groups = make_flat_groups(trainable[::-1], bucket_mb * 2**20, element_size=grad_bytes,
+                              first_bucket_bytes=FIRST_BUCKET_MB * 2**20)
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:
+                dist.broadcast(p.data, src=0)
+        for buf in model.buffers():
+            dist.broadcast(buf, src=0)
+
+    masters = None
+    if mixed:
+        # fp32 masters of what this rank updates, taken before anything is rounded to bf16.
+        masters = [(group.shard(group.flat) if stage > 0 else group.flat).clone()
+                   for group in groups]
+        for group in groups:
+            group.bind(group.flat.to(COMPUTE_DTYPE))
+        to_compute_dtype(model, skip={id(p) for group in groups for p in group.params})
+
+    if stage == 0:
+        sync = DataParallel(groups)
+    elif stage == 1:
+        sync = Zero1(groups, variant=zero1_variant)
+    else:
+        sync = Zero2(groups)
+    opt = ShardedOptimizer(sync, optimizer, masters)
+    setattr(model, SHARDED_ATTR, opt)
+    # Stage 2 keeps gradients where model.zero_grad() cannot see them: route it to the
+    # optimizer, so a loop that calls model.zero_grad() stays correct.
+    model.zero_grad = opt.zero_grad
+    return model, opt
+
+
+def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
+    """{name: full tensor} for every entry of `model.state_dict()`, identical on every rank.
+
+    Names are the original model's (a tied weight appears under each of its names). In
+    mixed precision, trainable parameters come from the fp32 masters. Call it on every
+    rank: for sharded states it is a collective. On a model that was never sharded it
+    returns a copy of its state dict.
+    """
+    owner = getattr(model, SHARDED_ATTR, None)
+    if owner is None:
+        return {name: t.detach().clone() for name, t in model.state_dict().items()}
+    return owner.full_state_dict(model)
+
+
+# --------------------------------------------------------------------------- refusals
+
+
+def _check_arguments(stage, bucket_mb, prefetch, precision, zero1_variant) -> None:
+    if stage not in STAGES or isinstance(stage, bool):
+        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+    if precision not in PRECISIONS:
+        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
+    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+        raise ValueError(f"bucket_mb must be a positive number of megabytes, got {bucket_mb!r}")
+    if not isinstance(prefetch, bool):
+        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+    if zero1_variant not in ZERO1_VARIANTS:
+        raise ValueError(f"zero1_variant must be one of {ZERO1_VARIANTS}, got {zero1_variant!r}")
+    if zero1_variant != "reduce_scatter" and stage != 1:
+        raise ValueError(f"zero1_variant applies to stage 1 only, not stage {stage}")
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError("shard() needs torch.distributed initialised on every rank; run it "
+                           "inside a torchrun worker after zero_lab.launch.init_worker()")
+
+
+def _check_model(model: nn.Module) -> None:
+    """Refuse, with the reason, every case that would otherwise train silently wrong."""
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
+    if getattr(model, SHARDED_ATTR, None) is not None:
+        raise ValueError("this model is already sharded; shard() a fresh model")
+    for name, module in model.named_modules():
+        if (isinstance(module, nn.modules.batchnorm._BatchNorm)
+                and not isinstance(module, nn.SyncBatchNorm)):
+            raise ValueError(
+                f"{name or 'model'} is a {type(module).__name__}: its batch statistics would "
+                "come from each rank's local batch, so training would not match one process "
+                "on the global batch; use nn.SyncBatchNorm, LayerNorm or GroupNorm")
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
+            raise ValueError(f"{name} produces sparse gradients (sparse=True), which flat "
+                             "gradient buffers cannot hold; use sparse=False")
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    if not trainable:
+        raise ValueError("the model has no trainable parameters (all requires_grad=False)")
+    for name, p in trainable:
+        if p.dtype != torch.float32:
+            raise ValueError(f"parameter {name} is {p.dtype}; shard() takes a float32 model "
+                             "(precision='mixed' makes the bf16 copies itself)")
+    devices = {p.device for _, p in trainable}
+    if len(devices) > 1:
+        raise ValueError(f"trainable parameters are on several devices {sorted(map(str, devices))}"
+                         "; move the model to one device first")
+    # Two distinct Parameters over the same memory would be updated twice per step.
+    spans = sorted((p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(),
+                    p.numel() * p.element_size(), name)
+                   for name, p in model.named_parameters() if p.numel() > 0)
+    for (start, size, name), (next_start, _, next_name) in zip(spans, spans[1:], strict=False):
+        if next_start < start + size:
+            raise ValueError(
+                f"parameters {name} and {next_name} are different Parameter objects sharing "
+                "memory; tie weights by assigning the same nn.Parameter to both modules")

@@ -1,0 +1,57 @@
+"""Stage 0: plain data parallelism, the baseline every ZeRO stage is measured against.
+
+What is sharded: nothing. Every rank holds the full parameters, the full gradients and the
+full optimizer states: (p + g + K)·Ψ bytes per rank (ZeRO paper, section 3.1).
+
+When the collective fires: during backward. Gradients accumulate straight into one persistent
+flat gradient buffer per bucket (`param.grad` is a view of it, like torch DDP's
+`gradient_as_bucket_view=True`). As soon as the last gradient of a bucket has arrived, an
+asynchronous all-reduce (average) of that bucket starts while autograd goes on computing the
+gradients of earlier layers: communication overlaps computation. The callback queued on the
+autograd engine waits, at the end of backward, for the all-reduces still in flight.
+
+Why gradient accumulation stays correct: after one backward every rank holds the same
+averaged gradient R. The next backward adds each rank's local gradient L_r on top, and the
+all-reduce averages R + L_r into R + mean(L_r), what one process would have accumulated.
+
+Communication per step: one all-reduce of Ψ elements, 2Ψ in the paper's count.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch import nn
+
+from zero_lab.partition import FlatParamGroup
+from zero_lab.stages.gradient_sync import GradientSync
+
+
+class DataParallel(GradientSync):
+    """Bucketed all-reduce from post-accumulate-grad hooks, overlapped with backward."""
+
+    stage = 0
+    sharded = False
+
+    def __init__(self, groups: list[FlatParamGroup]) -> None:
+        super().__init__(groups)
+        self.make_grad_buffers()  # full gradients, kept for the whole run
+        # The optimizer updates each whole flat buffer (an alias, no copy).
+        for group, grad in zip(groups, self.grad_buffers, strict=True):
+            step_param = nn.Parameter(group.flat, requires_grad=False)
+            step_param.grad = grad
+            self.step_params.append(step_param)
+        self._in_flight: list[dist.Work] = []
+
+    def on_group_ready(self, g: int) -> None:
+        # The bucket is complete: start averaging it across ranks, and do not wait.
+        self.adopt_grads(g, self.grad_views[g])
+        work = dist.all_reduce(self.grad_buffers[g], op=dist.ReduceOp.AVG, async_op=True)
+        self._in_flight.append(work)
+
+    def on_backward_end(self) -> None:
+        for work in self._in_flight:
+            work.wait()
+        self._in_flight.clear()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grad_buffers()  # set_to_none is ignored: the buffers are reused

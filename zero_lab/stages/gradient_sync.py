@@ -1,0 +1,175 @@
+"""What every data-parallel stage does during backward: hooks, buckets, the final callback.
+
+Stages 0, 1 and 2 differ only in *what they do with a gradient* and *when*; the plumbing that
+tells them "this parameter's gradient is ready", "this whole group (bucket) is ready" and
+"backward is over" is shared, and lives here:
+
+- a post-accumulate-grad hook on every trainable parameter fires once per backward, after
+  autograd has added this backward's contribution to `p.grad` (a tied weight used twice
+  still fires once, with both contributions summed);
+- groups are handed to the stage in one fixed order (`handover_order`), a group only once
+  all groups before it were, so every rank issues the same collectives in the same order
+  even when readiness differs (a rank that did not use a parameter this step);
+- the first hook of a backward queues a callback on the autograd engine
+  (`Variable._execution_engine.queue_callback`, as torch's DDP does): it runs when backward
+  has finished, flushes the groups whose gradients never arrived and lets the stage wait for
+  its collectives in flight. So when `loss.backward()` returns, gradients are final.
+
+A stage subclasses `GradientSync` and fills in the methods at the bottom.
+
+Not supported (as with torch's DDP without static_graph): reentrant activation
+checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`), whose inner backward
+would run the end-of-backward callback too early; the default non-reentrant one is fine.
+"""
+
+from __future__ import annotations
+
+from functools import partial
+
+import torch
+from torch import nn
+
+from zero_lab.partition import FlatParamGroup
+
+
+class GradientSync:
+    """Base class of the stages: runs the hooks, calls the stage's methods in order.
+
+    `step_params[i]` is the tensor the optimizer updates for group i (the whole flat buffer
+    for stage 0, this rank's slice for stages 1 and 2); after backward its `.grad` is the
+    final, averaged gradient of exactly those elements.
+    """
+
+    stage: int = -1
+    sharded: bool = False  # does the optimizer step on this rank's slice only?
+
+    def __init__(self, groups: list[FlatParamGroup], hooks: bool = True) -> None:
+        self.groups = groups
+        self.uses_hooks = hooks
+        self.world_size = groups[0].world_size
+        self.step_params: list[nn.Parameter] = []  # filled by the subclass
+        self._ready_params = [0] * len(groups)
+        # The order groups are handed over in: index order (buckets are built last layer
+        # first); a stage that learns the real backward order may replace it.
+        self.handover_order: list[int] = list(range(len(groups)))
+        self._handed_over = 0  # how many groups of handover_order were handed over
+        self._callback_queued = False
+        self._hook_handles: list = []
+        if hooks:
+            for g, group in enumerate(groups):
+                for i, p in enumerate(group.params):
+                    hook = partial(self._on_grad_accumulated, g, i)
+                    self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    # ------------------------------------------------------------------ plumbing
+    def queue_backward_callback(self) -> None:
+        """Once per backward: ask autograd to call `_on_backward_done` when it finishes."""
+        if not self._callback_queued:
+            self._callback_queued = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_done)
+
+    def _on_grad_accumulated(self, g: int, i: int, param: torch.Tensor) -> None:
+        self.queue_backward_callback()
+        self.on_param_grad(g, i, param)
+        self._ready_params[g] += 1
+        self._hand_over_ready_groups()
+
+    def _hand_over_ready_groups(self) -> None:
+        """Hand over, in `handover_order`, every group whose gradients have all arrived."""
+        order = self.handover_order
+        while self._handed_over < len(order):
+            g = order[self._handed_over]
+            if self._ready_params[g] < len(self.groups[g].params):
+                return  # later groups wait for this one: every rank keeps the same order
+            self.on_group_ready(g)
+            self._handed_over += 1
+
+    def _on_backward_done(self) -> None:
+        # Groups still waiting hold parameters that got no gradient in this backward (unused
+        # this step): their gradient is zero, and every rank must still join the collective.
+        while self._handed_over < len(self.handover_order):
+            self.on_group_ready(self.handover_order[self._handed_over])
+            self._handed_over += 1
+        self.on_backward_end()
+        self._ready_params = [0] * len(self.groups)
+        self._handed_over = 0
+        self._callback_queued = False
+
+    def remove_hooks(self) -> None:
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles.clear()
+
+    # ------------------------------------------------------------------ shared helpers
+    def make_grad_buffers(self) -> None:
+        """Stages 0 and 1: one full flat gradient buffer per group, allocated once and reused
+        every step; every `param.grad` becomes a view of it, so autograd accumulates there."""
+        self.grad_buffers = [group.new_full() for group in self.groups]
+        self.grad_views = [group.views(buf) for group, buf
+                           in zip(self.groups, self.grad_buffers, strict=True)]
+        self.zero_grad_buffers()
+
+    def zero_grad_buffers(self) -> None:
+        """Zero the persistent gradient buffers in place (they are reused, never freed, as
+        torch's DDP does with gradient_as_bucket_view) and point `.grad` back at them."""
+        for group, buf, views in zip(self.groups, self.grad_buffers, self.grad_views, strict=True):
+            buf.zero_()
+            for p, view in zip(group.params, views, strict=True):
+                p.grad = view
+
+    def adopt_grads(self, g: int, grad_views: list[torch.Tensor]) -> None:
+        """Make every `.grad` of group g its view of the group's persistent gradient buffer.
+
+        Stages 0 and 1 let autograd accumulate straight into one flat gradient buffer per
+        group (`param.grad` is a view of it, like DDP's gradient_as_bucket_view). If
+        something set a `.grad` to None (a hand-written zero_grad loop), autograd allocated a
+        fresh `.grad` this time: copy it into the buffer; a `.grad` still None (the
+        parameter was not used since) contributes zeros.
+        """
+        for p, view in zip(self.groups[g].params, grad_views, strict=True):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                view.copy_(p.grad)
+            else:
+                continue
+            p.grad = view
+
+    def full_flat_params(self, g: int) -> torch.Tensor:
+        """Group g's full flat parameters (stages 0-2 hold them; stage 3 all-gathers)."""
+        return self.groups[g].flat
+
+    def all_gather_params(self) -> None:
+        """Stages 1 and 2, after the optimizer step: every rank's updated slice -> the full
+        parameters everywhere, one all_gather_single per group (not N broadcasts)."""
+        for group in self.groups:
+            owned = group.shard(group.flat).clone()  # the input must not alias the output
+            group.all_gather(group.flat, owned)
+
+    # ------------------------------------------------------------------ what stages define
+    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        """`param`, the i-th of group g, has this backward's gradient in `param.grad`."""
+
+    def on_group_ready(self, g: int) -> None:
+        """Every gradient of group g has arrived (called in group order, once per backward)."""
+
+    def on_backward_end(self) -> None:
+        """Backward is over: finish the communication; `step_params[i].grad` must be final."""
+
+    def before_step(self) -> None:
+        """The optimizer is about to update `step_params`."""
+
+    def after_step(self) -> None:
+        """The optimizer has updated `step_params` (stages 1-2 all-gather them here)."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        raise NotImplementedError
+
+
+def clear_grads(tensors: list[torch.Tensor], set_to_none: bool = True) -> None:
+    """`optimizer.zero_grad()` semantics for a list of tensors: drop or zero their `.grad`."""
+    for t in tensors:
+        if set_to_none:
+            t.grad = None
+        elif t.grad is not None:
+            t.grad.zero_()

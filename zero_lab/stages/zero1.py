@@ -1,0 +1,141 @@
+"""Stage 1 (ZeRO P_os): shard the optimizer states, keep full parameters and gradients.
+
+What is sharded: the optimizer. Each rank keeps Adam's m and v (and, in mixed precision, the
+fp32 master weights) only for the slice of each flat buffer it owns: K·Ψ/N bytes instead of
+K·Ψ. Parameters and gradients stay full on every rank: (p + g)·Ψ + K·Ψ/N per rank
+(ZeRO paper, section 5.1).
+
+When each collective fires:
+1. During backward nothing is sent. Gradients accumulate into a full flat gradient buffer per
+   group, as in stage 0 (every `param.grad` is a view of it).
+2. When backward ends (the callback queued on the autograd engine), one reduce-scatter per
+   group: each rank receives the sum over ranks of *its own slice* only, which is all its
+   optimizer needs. The result is written into the owned part of the gradient buffer; the
+   rest of the buffer, which another rank owns, is zeroed.
+3. `opt.step()` updates the owned slice of the parameters, then one all-gather per group
+   brings every rank's updated slice to every rank (not N broadcasts).
+
+Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, the same as plain data
+parallelism, for N times less optimizer memory (ZeRO paper, section 7.2.1).
+
+Gradient accumulation: after one backward, rank r's owned slice holds the averaged gradient
+R, and a second backward adds its local gradient L_r on top. Averaging R + L_r with the other
+ranks' L_s would divide R by N again. So from the second backward on, gradients are divided
+by N on their way in ("pre-divide", as torch's DDP default comm hook does) and the
+reduce-scatter *sums*: R + L_r/N + sum over s of L_s/N = R + mean(L). Correct.
+
+The seed notes' variant, `variant="all_reduce"`, all-reduces the full gradients instead and
+keeps the owned slice: 2Ψ + Ψ for the all-gather = 3Ψ per step, for the same memory.
+Notebook 03 measures both with the ledger.
+
+`ZeroRedundancyOptimizer` at the bottom is the same stage 1 without hooks, behind the
+signature of `torch.distributed.optim.ZeroRedundancyOptimizer`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_lab.partition import FlatParamGroup, make_flat_groups
+from zero_lab.stages.gradient_sync import GradientSync
+from zero_lab.stages.sharded_optimizer import ShardedOptimizer
+
+VARIANTS = ("reduce_scatter", "all_reduce")
+
+
+class Zero1(GradientSync):
+    """Reduce-scatter the full gradients when backward ends; step and all-gather the slice."""
+
+    stage = 1
+    sharded = True
+
+    def __init__(self, groups: list[FlatParamGroup], variant: str = "reduce_scatter",
+                 hooks: bool = True) -> None:
+        if variant not in VARIANTS:
+            raise ValueError(f"stage 1 variant must be one of {VARIANTS}, got {variant!r}")
+        super().__init__(groups, hooks=hooks)
+        self.variant = variant
+        self.make_grad_buffers()  # full gradients, kept for the whole run (g·Ψ bytes)
+        # The optimizer updates only this rank's slice; its gradient is the same slice of the
+        # gradient buffer (both are views: no memory of their own).
+        for group, grad in zip(groups, self.grad_buffers, strict=True):
+            step_param = nn.Parameter(group.shard(group.flat), requires_grad=False)
+            step_param.grad = group.shard(grad)
+            self.step_params.append(step_param)
+        # Pre-divide (see the module docstring), needed only once our slice of the buffer
+        # holds an averaged gradient, i.e. from the second backward before a zero_grad().
+        self._holds_average = False
+        if hooks and variant == "reduce_scatter":
+            for group in groups:
+                for p in group.params:
+                    self._hook_handles.append(p.register_hook(self._pre_divide))
+
+    def _pre_divide(self, grad: torch.Tensor) -> torch.Tensor | None:
+        return grad / self.world_size if self._holds_average else None  # None: unchanged
+
+    def on_backward_end(self) -> None:
+        self.reduce_gradients()
+
+    def reduce_gradients(self) -> None:
+        """The stage's one gradient collective per group (after backward, or in step())."""
+        for g in range(len(self.groups)):
+            self.adopt_grads(g, self.grad_views[g])
+        if self.variant == "all_reduce":
+            # Every rank gets the full averaged gradient and will use only its slice of it.
+            works = [dist.all_reduce(buf, op=dist.ReduceOp.AVG, async_op=True)
+                     for buf in self.grad_buffers]
+            for work in works:
+                work.wait()
+            return
+        op = dist.ReduceOp.SUM if self._holds_average else dist.ReduceOp.AVG
+        owned = [group.new_shard(zeroed=False) for group in self.groups]
+        works = [group.reduce_scatter(out, buf, op=op, async_op=True)
+                 for group, out, buf in zip(self.groups, owned, self.grad_buffers, strict=True)]
+        for group, work, out, buf in zip(self.groups, works, owned, self.grad_buffers, strict=True):
+            work.wait()
+            buf.zero_()  # the slices other ranks own: not ours to keep
+            group.shard(buf).copy_(out)  # our slice: the final averaged gradient
+        self._holds_average = self.uses_hooks  # a later backward accumulates on top
+
+    def before_step(self) -> None:
+        if not self.uses_hooks:  # used without hooks (ZeroRedundancyOptimizer below)
+            self.reduce_gradients()
+
+    def after_step(self) -> None:
+        self.all_gather_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        self.zero_grad_buffers()  # set_to_none is ignored: the buffers are reused
+        self._holds_average = False
+
+
+class ZeroRedundancyOptimizer(ShardedOptimizer):
+    """ZeRO stage 1 as a drop-in optimizer, with torch's ZeroRedundancyOptimizer signature.
+
+        opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+        loss.backward(); opt.step(); opt.zero_grad()
+
+    Use it on a model *without* a data-parallel wrapper: there are no hooks, so `step()`
+    itself reduce-scatters the local gradients backward left in `.grad` (averaging them),
+    updates the owned slice and all-gathers it: 2Ψ per step. (torch's own version expects
+    DDP's all-reduced gradients and broadcasts each rank's parameters: 3Ψ.) Like `shard()`,
+    it moves the parameters into flat buffers and starts every rank from rank 0's values.
+    """
+
+    def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict],
+                 optimizer_class: type[torch.optim.Optimizer], bucket_mb: float = 25.0,
+                 **defaults) -> None:
+        params = list(params)
+        if params and isinstance(params[0], dict):
+            raise ValueError("zero_lab's ZeroRedundancyOptimizer takes a flat list of parameters "
+                             "(per-group options would need one flat buffer per option set)")
+        params = [p for p in dict.fromkeys(params) if p.requires_grad]  # unique, in order
+        groups = make_flat_groups([(f"param{i}", p) for i, p in enumerate(params)][::-1],
+                                  bucket_mb * 2**20)
+        make: Callable = lambda shards: optimizer_class(shards, **defaults)  # noqa: E731
+        # hooks=False: step() calls before_step(), which reduce-scatters the gradients.
+        super().__init__(Zero1(groups, variant="reduce_scatter", hooks=False), make)

@@ -1,0 +1,112 @@
+"""Stage 2 (ZeRO P_os+g): shard the optimizer states and the gradients.
+
+What is sharded: the optimizer states, as in stage 1, and now the gradients too. Each rank
+keeps the averaged gradient only for the slice it owns; the parameters stay full:
+p·Ψ + (g + K)·Ψ/N bytes per rank (ZeRO paper, section 5.2).
+
+When each collective fires: *during* backward, bucket by bucket (a bucket is one flat group
+of about `bucket_mb` megabytes).
+1. A parameter's post-accumulate-grad hook copies its fresh gradient into its bucket's full
+   flat gradient buffer and drops `param.grad`: that full gradient is gone at once.
+2. When the last gradient of a bucket has arrived, an asynchronous reduce-scatter of the
+   bucket starts, and autograd goes on with earlier layers (overlap). The bucket's buffer is
+   freed as soon as that reduce-scatter has completed; at most `MAX_IN_FLIGHT` buckets wait.
+   So a full gradient lives only until its bucket is sent, and the gradient memory of a step
+   peaks at a few buckets instead of Ψ.
+3. The callback queued on the autograd engine waits for the last reduce-scatters. Each rank
+   now holds its slice of the averaged gradient, added to what earlier backward calls left
+   there (gradient accumulation).
+4. `opt.step()` updates the owned slice and all-gathers it, one collective per bucket.
+
+Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, as stage 0 and stage 1.
+
+The seed blog's "ZeRO-2" reached a higher peak than its ZeRO-1 because its reduce-scatter
+concatenated N copies of every gradient and its hooks returned None, which keeps the gradient
+instead of discarding it. Here the full gradient's memory is really released: `param.grad =
+None` in the hook, and the bucket buffer dropped once sent (notebook 04 measures it).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_lab.partition import FlatParamGroup
+from zero_lab.stages.gradient_sync import GradientSync, clear_grads
+
+
+class _InFlight(NamedTuple):
+    g: int  # the group (bucket)
+    work: dist.Work
+    full: torch.Tensor  # the bucket's full gradient, kept alive until the work is done
+    owned: torch.Tensor  # receives this rank's slice of the averaged gradient
+
+
+class Zero2(GradientSync):
+    """Bucketed reduce-scatter during backward; full gradients freed as their bucket is sent."""
+
+    stage = 2
+    sharded = True
+    MAX_IN_FLIGHT = 2  # buckets sent but not yet complete (each holds a full bucket buffer)
+
+    def __init__(self, groups: list[FlatParamGroup],
+                 owned_slices: list[torch.Tensor] | None = None) -> None:
+        super().__init__(groups)
+        # The optimizer updates this rank's slice of each flat buffer (a view, no copy), or
+        # the `owned_slices` given (stage 3 keeps slices in memory of their own). Its
+        # gradient appears at the end of backward: grads are sharded.
+        if owned_slices is None:
+            owned_slices = [group.shard(group.flat) for group in groups]
+        for owned in owned_slices:
+            self.step_params.append(nn.Parameter(owned, requires_grad=False))
+        self._buckets: list[torch.Tensor | None] = [None] * len(groups)  # filling this backward
+        self._arrived: list[list[bool]] = [[False] * len(g.params) for g in groups]
+        self._in_flight: deque[_InFlight] = deque()
+
+    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        group = self.groups[g]
+        if self._buckets[g] is None:  # first gradient of this bucket in this backward
+            self._buckets[g] = group.new_full(zeroed=False)  # every element gets written
+        offset, numel = group.offsets[i], group.numels[i]
+        self._buckets[g][offset:offset + numel].copy_(param.grad.reshape(-1))
+        self._arrived[g][i] = True
+        param.grad = None  # the full gradient of this parameter is freed now
+
+    def on_group_ready(self, g: int) -> None:
+        group = self.groups[g]
+        full = self._buckets[g] if self._buckets[g] is not None else group.new_full(zeroed=False)
+        for i, arrived in enumerate(self._arrived[g]):
+            if not arrived:  # unused in this backward: contributes zeros
+                full[group.offsets[i]:group.offsets[i] + group.numels[i]].zero_()
+        full[group.numel:].zero_()  # the padding
+        self._buckets[g], self._arrived[g] = None, [False] * len(group.params)
+        owned = group.new_shard(zeroed=False)
+        work = group.reduce_scatter(owned, full, op=dist.ReduceOp.AVG, async_op=True)
+        self._in_flight.append(_InFlight(g, work, full, owned))
+        self._retire(keep=self.MAX_IN_FLIGHT)
+
+    def _retire(self, keep: int) -> None:
+        """Finish sent buckets: oldest first, all beyond `keep`, and any already complete."""
+        while self._in_flight and (len(self._in_flight) > keep
+                                   or self._in_flight[0].work.is_completed()):
+            done = self._in_flight.popleft()
+            done.work.wait()
+            step_param = self.step_params[done.g]
+            if step_param.grad is None:
+                step_param.grad = done.owned
+            else:
+                step_param.grad.add_(done.owned)  # gradient accumulation, on the slice only
+            # `done.full` goes out of scope here: the bucket's full gradient is freed.
+
+    def on_backward_end(self) -> None:
+        self._retire(keep=0)
+
+    def after_step(self) -> None:
+        self.all_gather_params()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        clear_grads(self.step_params, set_to_none)  # the owned gradient slices
