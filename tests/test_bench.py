@@ -1,0 +1,87 @@
+"""The benchmark harness (`make bench`): a smoke run on a tiny model, not a timing test.
+
+One launch trains every system for a few steps in 2 interleaved rounds and must write the
+JSON, the markdown table and the figure; every system must have trained the same weights
+(the comparison is fair), held the model-state bytes its design says, and sent 2Ψ per step.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from zero_lab import bench
+from zero_lab.memory import model_state_bytes
+
+CONFIG = bench.BenchConfig(width=48, depth=3, batch=4, rounds=2, steps=2, warmup=2)
+PSI = 3 * (48 * 48 + 48)
+
+
+@pytest.fixture(scope="module")
+def result(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    return bench.run(config=CONFIG, out=out, stream=False, timeout=300)
+
+
+def test_writes_json_markdown_and_figure(result):
+    paths = {k: v for k, v in result["paths"].items()}
+    assert set(paths) == {"json", "markdown", "figure"}
+    saved = json.loads(open(paths["json"]).read())
+    assert list(saved["systems"]) == list(bench.SYSTEMS)
+    table = open(paths["markdown"]).read()
+    for system in bench.SYSTEMS.values():
+        assert f"| {system.label} |" in table
+    with open(paths["figure"], "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_every_system_trained_the_same_weights(result):
+    for name, s in result["systems"].items():
+        assert s["max_abs_diff"] <= 1e-6, name
+
+
+def test_rounds_interleaved_and_rotated(result):
+    names = list(bench.SYSTEMS)
+    assert result["order"] == [names, names[1:] + names[:1]]
+    for s in result["systems"].values():
+        assert len(s["round_medians_ms"]) == CONFIG.rounds
+        assert s["best_round_ms"] == min(s["round_medians_ms"]) > 0
+
+
+def test_targets_are_ratios_of_best_rounds(result):
+    systems = result["systems"]
+    assert [(t["system"], t["baseline"]) for t in result["targets"]] == [
+        (s, b) for s, b, _ in bench.TARGETS]
+    for t in result["targets"]:
+        expected = systems[t["system"]]["best_round_ms"] / systems[t["baseline"]]["best_round_ms"]
+        assert t["ratio"] == pytest.approx(expected)
+        assert t["met"] == (t["ratio"] <= t["limit"])
+
+
+def test_held_bytes_follow_each_design(result):
+    systems = result["systems"]
+    # Ψ = 7056 is divisible by 2: no padding; fp32 Adam states are 8 bytes per element.
+    for name, stage in [("ddp", 0), ("stage0", 0), ("stage1", 1), ("stage2", 2)]:
+        predicted = model_state_bytes(PSI, stage, 2, precision="fp32")
+        for held in systems[name]["held_bytes"]:
+            assert {k: held[k] for k in predicted} == predicted, name
+    # torch's ZeroRedundancyOptimizer gives whole parameters to ranks: the two optimizer
+    # shards together hold exactly one full set of Adam states.
+    shards = [h["optimizer"] for h in systems["zero_redundancy"]["held_bytes"]]
+    assert sum(shards) == 8 * PSI
+
+
+def test_bytes_communicated_per_step(result):
+    for name in ("ddp", "stage0", "stage1", "stage2"):
+        for comm in result["systems"][name]["comm"]:
+            assert comm["volume"] == 2 * 4 * PSI, name  # the paper's 2Ψ (fp32)
+            assert comm["sent_bytes"] == 4 * PSI, name  # ring: 2(N-1)/N x Ψ x 4 bytes
+    zro = result["systems"]["zero_redundancy"]["comm"][0]["by_op"]
+    assert zro["broadcast"]["count"] == 2 * CONFIG.depth  # one per parameter, every step
+    assert zro["broadcast"]["nbytes"] == 4 * PSI
+
+
+def test_unknown_system_is_refused_before_launch():
+    with pytest.raises(ValueError, match="unknown system"):
+        bench.run(systems=["ddp", "stage9"])

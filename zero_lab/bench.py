@@ -1,0 +1,386 @@
+"""Benchmark: torch's DDP and ZeroRedundancyOptimizer beside zero_lab's stages, same model.
+
+    python -m zero_lab.bench                     # what `make bench` runs
+    python -m zero_lab.bench --rounds 8 --steps 10 --systems ddp stage0 --profile
+
+One torchrun job trains every system on the same model (the seed blog's deep MLP scaled to
+`depth` blocks of Linear(width, width) + ReLU, Adam, `batch` rows per rank) in interleaved
+rounds: round k runs every system for `steps` timed steps, in an order rotated by k, so slow
+drifts of the machine (another job, thermal throttling) hit every system alike. A step is
+timed from a barrier to the end of `zero_grad()`, as the slowest rank saw it.
+
+Written to `runs/bench/` (or --out): `bench.json` (everything), `bench.md` (a table),
+`bench.png` (a figure) and, with --profile, `profile_<system>.txt` (torch.profiler tables).
+Per system: the median step time of each round, the best of them, per-rank bytes held in
+parameters, gradients and optimizer states after backward (storages counted once; DDP's
+internal bucket buffers are invisible from Python and not counted), the bytes one step
+communicates (`zero_lab.collectives.CommLedger`, on an untimed step), and the largest
+difference of its trained weights from the first system's: every system sees the same
+batches, so the comparison is fair only if they all trained the same model.
+
+Targets (issue 5), as ratios of each system's best round: stage 0 <= 1.1 x DDP,
+stage 1 <= 1.1 x ZeroRedundancyOptimizer, stage 2 <= 1.15 x DDP; (issue 6) stage 3 <= 0.9 x
+torch's FSDP2 and <= 1.6 x DDP (it sends 1.5 x DDP's bytes). The gain from stage 3's
+prefetch is reported as the ratio stage 3 without prefetch / with prefetch.
+
+To add a system, write a builder and list it in SYSTEMS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from functools import partial
+from pathlib import Path
+
+from zero_lab.plots import REPO_ROOT
+
+DEFAULT_OUT = REPO_ROOT / "runs" / "bench"
+PHASES = ("forward", "backward", "optimizer.step", "zero_grad")  # how a step is timed
+# glibc malloc: serve every size from the heap and never trim it (see run(keep_freed_memory)).
+KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**40), "MALLOC_TRIM_THRESHOLD_": str(2**40)}
+WORKER = Path(__file__).resolve().parent / "workers" / "bench_worker.py"
+
+
+@dataclass
+class BenchConfig:
+    """What every system trains: the same model, data, optimizer and bucket size."""
+
+    width: int = 1024
+    depth: int = 6
+    batch: int = 32  # rows per rank; the global batch is batch x N
+    lr: float = 1e-3
+    bucket_mb: float = 25.0  # zero_lab's buckets and DDP's bucket_cap_mb
+    rounds: int = 8
+    steps: int = 10  # timed steps per system per round
+    warmup: int = 3  # untimed steps per system first (>= 2: DDP rebuilds its buckets on step 2)
+    seed: int = 0
+
+
+@dataclass
+class Trainer:
+    """A system ready to train: call `model`, then `optimizer.step()` / `.zero_grad()`.
+
+    `full_weights()` returns {original parameter name: full tensor} on every rank.
+    """
+
+    model: object
+    optimizer: object
+    full_weights: Callable[[], dict]
+
+
+@dataclass(frozen=True)
+class System:
+    """A named way of training the model. `build(model, config, device)` -> Trainer runs
+    inside the worker, on every rank, after the process group is up."""
+
+    name: str
+    label: str
+    build: Callable = field(repr=False)
+    short: str = ""  # a two-line label for figures
+
+
+# ----------------------------------------------------------------------------- builders
+# Each imports torch inside, so that the parent process (this module's CLI) stays light.
+
+
+def _adam(params, config: BenchConfig):
+    import torch
+
+    return torch.optim.Adam(params, lr=config.lr)
+
+
+def _unwrapped_weights(ddp) -> Callable[[], dict]:
+    return lambda: {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+
+
+def _ddp(model, config: BenchConfig, device):
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=config.bucket_mb)
+
+
+def build_ddp(model, config: BenchConfig, device) -> Trainer:
+    """torch's DistributedDataParallel (default settings) + Adam on every parameter."""
+    ddp = _ddp(model, config, device)
+    return Trainer(ddp, _adam(ddp.parameters(), config), _unwrapped_weights(ddp))
+
+
+def build_zero_redundancy(model, config: BenchConfig, device) -> Trainer:
+    """torch's ZeroRedundancyOptimizer (whole parameters per rank, broadcast after the step)
+    over DDP's all-reduced gradients: torch's own ZeRO stage 1."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ddp = _ddp(model, config, device)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam,
+                                  lr=config.lr)
+    return Trainer(ddp, opt, _unwrapped_weights(ddp))
+
+
+def build_zero_lab(model, config: BenchConfig, device, stage: int,
+                   prefetch: bool = True) -> Trainer:
+    """zero_lab's `shard(model, stage)`: flat buffers, buckets of `bucket_mb` (stage 3: one
+    flat buffer per unit, each Linear here; `prefetch` gathers the next unit ahead)."""
+    from zero_lab.stages import full_state_dict, shard
+
+    model, opt = shard(model, stage, optimizer=lambda params: _adam(params, config),
+                       bucket_mb=config.bucket_mb, prefetch=prefetch)
+    return Trainer(model, opt, lambda: full_state_dict(model))
+
+
+def build_fsdp2(model, config: BenchConfig, device) -> Trainer:
+    """torch's FSDP2: `fully_shard` on every block (each Linear), then on the root; Adam on
+    the local shards (DTensors), as torch documents it."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if any(p.requires_grad for p in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+
+    def full_weights() -> dict:
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+                for k, v in model.state_dict().items()}
+
+    return Trainer(model, _adam(model.parameters(), config), full_weights)
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in [
+    System("ddp", "torch DDP", build_ddp, "torch\nDDP"),
+    System("zero_redundancy", "torch ZeroRedundancyOptimizer + DDP", build_zero_redundancy,
+           "torch ZeRO-\nRedundancyOpt."),
+    System("stage0", "zero_lab stage 0", partial(build_zero_lab, stage=0), "zero_lab\nstage 0"),
+    System("stage1", "zero_lab stage 1", partial(build_zero_lab, stage=1), "zero_lab\nstage 1"),
+    System("stage2", "zero_lab stage 2", partial(build_zero_lab, stage=2), "zero_lab\nstage 2"),
+    System("stage3", "zero_lab stage 3 (prefetch)", partial(build_zero_lab, stage=3),
+           "zero_lab\nstage 3"),
+    System("stage3_noprefetch", "zero_lab stage 3, no prefetch",
+           partial(build_zero_lab, stage=3, prefetch=False), "zero_lab st. 3\nno prefetch"),
+    System("fsdp2", "torch FSDP2 (fully_shard)", build_fsdp2, "torch\nFSDP2"),
+]}
+
+# (system, baseline, largest allowed ratio of best-round step times)
+TARGETS: list[tuple[str, str, float]] = [
+    ("stage0", "ddp", 1.10),
+    ("stage1", "zero_redundancy", 1.10),
+    ("stage2", "ddp", 1.15),
+    ("stage3", "fsdp2", 0.90),
+    ("stage3", "ddp", 1.60),
+]
+
+
+# ----------------------------------------------------------------------------- analysis
+
+
+def summarize(ranks: list[dict], config: BenchConfig) -> dict:
+    """Turn the ranks' reports into one result: per system times, bytes, ratios vs targets."""
+    rank0 = ranks[0]
+    systems = {}
+    for name in rank0["systems"]:
+        # [round][step] = [total, forward, backward, step, zero_grad], slowest rank each
+        timing = rank0["timing"][name]
+        round_medians = [statistics.median(step[0] for step in steps) for steps in timing]
+        all_steps = [step[0] for steps in timing for step in steps]
+        best = min(range(len(timing)), key=round_medians.__getitem__)
+        systems[name] = {
+            "label": SYSTEMS[name].label if name in SYSTEMS else name,
+            "short": (SYSTEMS[name].short if name in SYSTEMS else "") or name,
+            "round_medians_ms": [1e3 * t for t in round_medians],
+            "best_round_ms": 1e3 * min(round_medians),
+            "median_ms": 1e3 * statistics.median(all_steps),
+            # in the best round, the median of each phase; and each phase's fastest step
+            "best_round_phases_ms": {
+                phase: 1e3 * statistics.median(step[i + 1] for step in timing[best])
+                for i, phase in enumerate(PHASES)},
+            "fastest_phases_ms": {
+                phase: 1e3 * min(step[i + 1] for steps in timing for step in steps)
+                for i, phase in enumerate(PHASES)},
+            "held_bytes": [r["held"][name] for r in ranks],
+            "peak_bytes": [r["peak"][name] for r in ranks],
+            "comm": [r["comm"][name] for r in ranks],
+            "max_abs_diff": rank0["max_abs_diff"][name],
+        }
+    targets = []
+    for name, baseline, limit in TARGETS:
+        if name in systems and baseline in systems:
+            ratio = systems[name]["best_round_ms"] / systems[baseline]["best_round_ms"]
+            targets.append({"system": name, "baseline": baseline, "limit": limit,
+                            "ratio": ratio, "met": ratio <= limit})
+    return {
+        "config": asdict(config),
+        "world_size": len(ranks),
+        "backend": rank0["backend"],
+        "device": rank0["device"],
+        "n_params": rank0["n_params"],
+        "reference": rank0["systems"][0],
+        "order": rank0["order"],
+        "systems": systems,
+        "targets": targets,
+        # what prefetch buys stage 3: time without / time with (> 1: prefetch helps)
+        "prefetch_gain": (systems["stage3_noprefetch"]["best_round_ms"]
+                          / systems["stage3"]["best_round_ms"]
+                          if {"stage3", "stage3_noprefetch"} <= set(systems) else None),
+    }
+
+
+def _mb(nbytes: float) -> str:
+    return f"{nbytes / 2**20:.1f}"
+
+
+def markdown_table(result: dict) -> str:
+    """The result as a markdown table (sizes in MiB), then the targets."""
+    ref = result["reference"]
+    cfg = result["config"]
+    lines = [
+        f"# zero_lab benchmark: {result['world_size']} ranks, {result['backend']}, "
+        f"{result['device']}",
+        "",
+        f"Model: {cfg['depth']} x (Linear({cfg['width']}, {cfg['width']}) + ReLU), "
+        f"Ψ = {result['n_params']:,} parameters; Adam; {cfg['batch']} rows per rank; "
+        f"buckets {cfg['bucket_mb']} MB; {cfg['rounds']} interleaved rounds of "
+        f"{cfg['steps']} steps."
+        + (f" Environment: {result['env']}." if result.get("env") else ""),
+        "",
+        "| system | best round (ms) | median (ms) | held per rank, MiB: params / grads / "
+        "optimizer (rank 0) | peak, MiB | sent per step, MiB (ring) | paper volume, MiB | "
+        f"collectives per step | max abs diff vs {ref} |",
+        "| --- | ---: | ---: | --- | ---: | ---: | ---: | --- | ---: |",
+    ]
+    for s in result["systems"].values():
+        held = s["held_bytes"][0]
+        comm = s["comm"][0]
+        ops = ", ".join(f"{v['count']} {op}" for op, v in comm["by_op"].items())
+        lines.append(
+            f"| {s['label']} | {s['best_round_ms']:.1f} | {s['median_ms']:.1f} | "
+            f"{_mb(held['params'])} / {_mb(held['grads'])} / {_mb(held['optimizer'])} | "
+            f"{_mb(s['peak_bytes'][0])} | {_mb(comm['sent_bytes'])} | {_mb(comm['volume'])} | "
+            f"{ops} | {s['max_abs_diff']:.2e} |")
+    lines += ["", "Where the time goes (ms, slowest rank; median over the best round's steps, "
+              "then the fastest step seen):", "",
+              "| system | " + " | ".join(PHASES) + " |", "| --- |" + " ---: |" * len(PHASES)]
+    for s in result["systems"].values():
+        best, fastest = s["best_round_phases_ms"], s["fastest_phases_ms"]
+        lines.append(f"| {s['label']} | " + " | ".join(
+            f"{best[p]:.1f} ({fastest[p]:.1f})" for p in PHASES) + " |")
+    if result.get("prefetch_gain"):
+        lines += ["", f"Stage 3's prefetch: best round without / with = "
+                      f"{result['prefetch_gain']:.3f}."]
+    lines += ["", "| target | ratio of best rounds | limit | met |", "| --- | ---: | ---: | --- |"]
+    for t in result["targets"]:
+        lines.append(f"| {t['system']} / {t['baseline']} | {t['ratio']:.3f} | {t['limit']} | "
+                     f"{'yes' if t['met'] else 'NO'} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_outputs(result: dict, out: Path, profiles: dict[str, str] | None = None) -> dict:
+    """bench.json, bench.md, bench.png (and profile_<system>.txt) in `out`; their paths."""
+    from zero_lab.plots import bench_figure
+
+    out.mkdir(parents=True, exist_ok=True)
+    paths = {"json": out / "bench.json", "markdown": out / "bench.md", "figure": out / "bench.png"}
+    paths["json"].write_text(json.dumps(result, indent=1))
+    paths["markdown"].write_text(markdown_table(result))
+    fig = bench_figure(result)
+    fig.savefig(paths["figure"], dpi=150, bbox_inches="tight")
+    import matplotlib.pyplot as plt
+
+    plt.close(fig)
+    for name, text in (profiles or {}).items():
+        paths[f"profile_{name}"] = out / f"profile_{name}.txt"
+        paths[f"profile_{name}"].write_text(text)
+    return paths
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def run(
+    systems: Sequence[str] = tuple(SYSTEMS),
+    config: BenchConfig | None = None,
+    nproc: int = 2,
+    backend: str = "gloo",
+    out: Path | str = DEFAULT_OUT,
+    profile: bool = False,
+    timeout: float = 1800.0,
+    stream: bool = True,
+    keep_freed_memory: bool = False,
+) -> dict:
+    """Run the benchmark in one torchrun job; write the files; return the summary dict
+    (with "paths", where the files went).
+
+    `keep_freed_memory=True` is a diagnostic: it tells glibc's malloc to keep freed memory
+    instead of handing large blocks back to the kernel (MALLOC_MMAP_THRESHOLD_,
+    MALLOC_TRIM_THRESHOLD_), so a step stops paying page faults for every large temporary
+    tensor it allocates. A gap between systems that closes with it is allocator cost.
+    """
+    from zero_lab.launch import torchrun
+
+    config = config or BenchConfig()
+    unknown = [s for s in systems if s not in SYSTEMS]
+    if unknown:
+        raise ValueError(f"unknown system(s) {unknown}; choose from {list(SYSTEMS)}")
+    if config.rounds < 1 or config.steps < 1:
+        raise ValueError("rounds and steps must be >= 1")
+    args = ["--systems", *systems, "--config", json.dumps(asdict(config))]
+    if profile:
+        args.append("--profile")
+    env = dict(KEEP_FREED_MEMORY_ENV) if keep_freed_memory else {}
+    launch = torchrun(WORKER, nproc=nproc, args=args, timeout=timeout, backend=backend,
+                      stream=stream, env=env)
+    result = summarize(launch.ranks, config)
+    result["wall_time_s"] = launch.wall_time
+    result["env"] = env
+    paths = write_outputs(result, Path(out), launch.ranks[0].get("profiles"))
+    result["paths"] = {k: str(v) for k, v in paths.items()}
+    return result
+
+
+def format_targets(result: dict) -> str:
+    lines = []
+    for s in result["systems"].values():
+        lines.append(f"  {s['label']:<38} best round {s['best_round_ms']:7.1f} ms   "
+                     f"median {s['median_ms']:7.1f} ms")
+    for t in result["targets"]:
+        verdict = "met" if t["met"] else "MISSED"
+        lines.append(f"  {t['system']} / {t['baseline']}: {t['ratio']:.3f} "
+                     f"(target <= {t['limit']}) {verdict}")
+    if result.get("prefetch_gain"):
+        lines.append(f"  stage 3 prefetch gain (no prefetch / prefetch): "
+                     f"{result['prefetch_gain']:.3f}")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    defaults = BenchConfig()
+    parser = argparse.ArgumentParser(prog="python -m zero_lab.bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
+    parser.add_argument("--nproc", type=int, default=2)
+    parser.add_argument("--backend", default="gloo", choices=["auto", "gloo", "nccl"])
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--profile", action="store_true",
+                        help="also write a torch.profiler table per system")
+    parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")
+    parser.add_argument("--keep-freed-memory", action="store_true",
+                        help="diagnostic: glibc keeps freed memory (no page faults for large "
+                             "temporaries)")
+    for key, value in asdict(defaults).items():
+        parser.add_argument(f"--{key.replace('_', '-')}", type=type(value), default=value)
+    args = parser.parse_args(argv)
+    config = BenchConfig(**{k: getattr(args, k) for k in asdict(defaults)})
+    result = run(args.systems, config, nproc=args.nproc, backend=args.backend, out=args.out,
+                 profile=args.profile, keep_freed_memory=args.keep_freed_memory)
+    print(format_targets(result))
+    print(f"wrote {', '.join(result['paths'].values())}")
+    missed = [t for t in result["targets"] if not t["met"]]
+    return 1 if (args.strict and missed) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
