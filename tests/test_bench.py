@@ -62,7 +62,8 @@ def test_targets_are_ratios_of_best_rounds(result):
 def test_held_bytes_follow_each_design(result):
     systems = result["systems"]
     # Ψ = 7056 is divisible by 2: no padding; fp32 Adam states are 8 bytes per element.
-    for name, stage in [("ddp", 0), ("stage0", 0), ("stage1", 1), ("stage2", 2)]:
+    for name, stage in [("ddp", 0), ("stage0", 0), ("stage1", 1), ("stage2", 2), ("stage3", 3),
+                        ("stage3_noprefetch", 3), ("fsdp2", 3)]:
         predicted = model_state_bytes(PSI, stage, 2, precision="fp32")
         for held in systems[name]["held_bytes"]:
             assert {k: held[k] for k in predicted} == predicted, name
@@ -77,6 +78,11 @@ def test_bytes_communicated_per_step(result):
         for comm in result["systems"][name]["comm"]:
             assert comm["volume"] == 2 * 4 * PSI, name  # the paper's 2Ψ (fp32)
             assert comm["sent_bytes"] == 4 * PSI, name  # ring: 2(N-1)/N x Ψ x 4 bytes
+    for name in ("stage3", "stage3_noprefetch", "fsdp2"):  # 2 all-gathers + 1 reduce-scatter
+        for comm in result["systems"][name]["comm"]:
+            assert comm["volume"] == 3 * 4 * PSI, name
+            assert comm["by_op"]["all_gather"]["count"] == 2 * CONFIG.depth, name
+            assert comm["by_op"]["reduce_scatter"]["count"] == CONFIG.depth, name
     zro = result["systems"]["zero_redundancy"]["comm"][0]["by_op"]
     assert zro["broadcast"]["count"] == 2 * CONFIG.depth  # one per parameter, every step
     assert zro["broadcast"]["nbytes"] == 4 * PSI

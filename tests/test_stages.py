@@ -203,7 +203,6 @@ def test_no_warnings(ranks):
 
 
 REFUSALS = {
-    "stage3": "NotImplementedError: stage 3 lands with issue 6",
     "stage5": "ValueError: stage must be one of (0, 1, 2, 3), got 5",
     "precision": "ValueError: precision must be one of ('fp32', 'mixed'), got 'fp16'",
     "bucket": "ValueError: bucket_mb must be a positive number of megabytes, got 0",

@@ -235,7 +235,8 @@ class MemoryTimeline(_storage_tracker_base()):
             return
         try:
             storage = t.untyped_storage()
-        except (RuntimeError, NotImplementedError):  # e.g. sparse tensors have no storage
+            storage.data_ptr()  # a wrapper subclass (DTensor) has no valid storage of its own
+        except (RuntimeError, NotImplementedError):  # sparse tensors, DTensors: skip
             return
         key = storage._cdata
         if key not in self._storages:

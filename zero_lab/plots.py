@@ -349,8 +349,51 @@ def peak_vs_held_figure(sweep, references, unit=2**20, unit_name="MiB", title=No
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [f"{b:g}" for b in x])
     ax.set_xlabel("bucket size (MB)")
+    ax.set_ylim(bottom=0)
     ax.set_ylabel(f"{unit_name}, rank 0")
     ax.set_title(title or "peak vs held memory across bucket sizes", fontsize=10)
     ax.legend(fontsize=7.5, loc="center right")
+    fig.tight_layout()
+    return fig
+
+
+# ---- notebook 05: ZeRO stage 3 ------------------------------------------------------
+
+
+def lifecycle_timeline_figure(runs: dict, unit=2**10, unit_name="KiB", title=None):
+    """Bytes alive after every op of one training step: one panel per run.
+
+    `runs` maps a panel title to a report of `zero_lab.workers.zero3_lifecycle.measure_step`
+    ("samples", "marks", "held"). Each panel has its own scale, so that a unit's tooth shows
+    (compare levels with the dashed line, the model states). The backward pass is shaded;
+    where a stage-3 run gathers a unit, a thin line marks it (named on the first panel).
+    """
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.4 * len(runs)), squeeze=False)
+    named = False
+    for ax, (label, run) in zip(axes[:, 0], runs.items(), strict=True):
+        samples = [b / unit for b in run["samples"]]
+        marks = {text: i for i, text in run["marks"]}
+        if "forward done" in marks and "backward done" in marks:
+            ax.axvspan(marks["forward done"], marks["backward done"], color="#EEEEEE",
+                       label="backward")
+        gathers = [(i, text.split()[-1]) for i, text in run["marks"] if " gather " in text]
+        for i, name in gathers:
+            ax.axvline(i, color=STATE_COLORS["params"], lw=0.6, alpha=0.5)
+            if not named:
+                ax.annotate(name, (i, 1.0), xycoords=("data", "axes fraction"), fontsize=6,
+                            rotation=90, va="top", ha="right", color=STATE_COLORS["params"])
+        named = named or bool(gathers)
+        ax.plot(range(len(samples)), samples, color="#333333", lw=1.2, label="alive")
+        ax.axhline(run["held"]["total"] / unit, ls="--", color=STATE_COLORS["optimizer"],
+                   lw=1, label="model states held after backward")
+        ax.set_title(label, fontsize=10, loc="left")
+        ax.set_ylabel(f"{unit_name} alive")
+        ax.set_xlim(0, len(samples) - 1)
+    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=3)
+    axes[-1, 0].set_xlabel("ops of one training step (forward, backward, optimizer step)")
+    if title:
+        fig.suptitle(title)
     fig.tight_layout()
     return fig

@@ -154,13 +154,40 @@ def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
 # ------------------------------------------------------------------------------ measuring
 
 
+def model_state_tensors(model: nn.Module, optimizer: object | None
+                        ) -> dict[str, list[torch.Tensor]]:
+    """This rank's tensors behind `held_bytes`: {"params", "grads", "optimizer"}.
+
+    As `held_bytes` counts them (fp32 masters as optimizer state); a DTensor (torch FSDP2's
+    parameters, gradients and Adam states) stands for its local shard.
+    """
+    params = list(model.parameters())
+    sync = getattr(optimizer, "sync", None)
+    if sync is not None:
+        params += list(sync.step_params)
+    inner = getattr(optimizer, "optim", optimizer)
+    states = [v for state in (inner.state.values() if inner is not None else ())
+              for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    states += list(getattr(optimizer, "master_weights", None) or [])
+    return {"params": [_local(p) for p in params],
+            "grads": [_local(p.grad) for p in params if p.grad is not None],
+            "optimizer": [_local(t) for t in states]}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor -> this rank's shard
+
+
 def held_bytes(model: nn.Module, optimizer: object | None) -> dict[str, int]:
     """Bytes this rank holds in parameters, gradients and optimizer states, by category.
 
     Works for a plain model + torch optimizer and for `shard()`'s optimizer, whose slices
     and fp32 masters it adds (masters count as optimizer state, the ZeRO paper's K, which is
     how `zero_lab.memory.model_state_bytes` counts them). Storages are counted once.
+    torch FSDP2's DTensors count as their local shards.
     """
+    if any(hasattr(p, "to_local") for p in model.parameters()):  # torch FSDP2
+        return held_model_state_bytes([], None, model_state_tensors(model, optimizer))
     params = list(model.parameters())
     extra: dict[str, list[torch.Tensor]] = {}
     sync = getattr(optimizer, "sync", None)

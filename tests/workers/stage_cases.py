@@ -279,7 +279,6 @@ def error_cases() -> dict:
     sharded = shard(mlp(), 0)[0]
     probe_model = mlp()
     return {
-        "stage3": message(lambda: shard(mlp(), 3)),
         "stage5": message(lambda: shard(mlp(), 5)),
         "precision": message(lambda: shard(mlp(), 1, precision="fp16")),
         "bucket": message(lambda: shard(mlp(), 2, bucket_mb=0)),

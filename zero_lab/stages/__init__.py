@@ -37,9 +37,10 @@ from zero_lab.stages.sharded_optimizer import ShardedOptimizer, check_optimizer
 from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
 from zero_lab.stages.zero1 import Zero1, ZeroRedundancyOptimizer
 from zero_lab.stages.zero2 import Zero2
+from zero_lab.stages.zero3 import Zero3, shard_zero3
 
 __all__ = ["shard", "full_state_dict", "ShardedOptimizer", "ZeroRedundancyOptimizer",
-           "DataParallel", "Zero1", "Zero2"]
+           "DataParallel", "Zero1", "Zero2", "Zero3", "shard_zero3"]
 
 STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "mixed")
@@ -64,7 +65,8 @@ def shard(
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
     stage 0: plain data parallelism (bucketed all-reduce overlapped with backward);
-    1: optimizer states sharded; 2: optimizer states and gradients sharded; 3: issue 6.
+    1: optimizer states sharded; 2: optimizer states and gradients sharded; 3: parameters
+    too, gathered unit by unit (zero3.py; `shard_zero3` also lets you choose the units).
     `optimizer` builds a torch optimizer from a list of tensors (an element-wise one: SGD,
     Adam, AdamW, ...). `bucket_mb` sizes the flat groups (and so the collectives).
     `prefetch` matters only for stage 3. `precision`: "fp32", or "mixed" (bf16 compute, fp32
@@ -73,8 +75,8 @@ def shard(
     Needs an initialised default process group; call it on every rank.
     """
     _check_arguments(stage, bucket_mb, prefetch, precision, zero1_variant)
-    if stage == 3:
-        raise NotImplementedError("stage 3 lands with issue 6")
+    if stage == 3:  # parameters sharded too, gathered unit by unit on demand: zero3.py
+        return shard_zero3(model, optimizer, prefetch=prefetch, precision=precision)
     _check_model(model)
     probe = [nn.Parameter(torch.zeros(1))]  # try the optimizer function before changing anything
     check_optimizer(optimizer(probe), probe)

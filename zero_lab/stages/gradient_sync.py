@@ -24,12 +24,30 @@ would run the end-of-backward callback too early; the default non-reentrant one 
 
 from __future__ import annotations
 
-from functools import partial
+import weakref
+from collections.abc import Callable
 
 import torch
 from torch import nn
 
 from zero_lab.partition import FlatParamGroup
+
+
+def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of parameter i of group g; it holds `sync` weakly.
+
+    torch keeps a tensor's post-accumulate-grad hooks where Python's garbage collector cannot
+    see them: a hook holding `sync`, which holds the parameters, would be a reference cycle
+    that is never freed, and a dropped model would keep its memory for good.
+    """
+    ref = weakref.ref(sync)
+
+    def hook(param: torch.Tensor) -> None:
+        owner = ref()
+        if owner is not None:
+            owner._on_grad_accumulated(g, i, param)
+
+    return hook
 
 
 class GradientSync:
@@ -58,7 +76,7 @@ class GradientSync:
         if hooks:
             for g, group in enumerate(groups):
                 for i, p in enumerate(group.params):
-                    hook = partial(self._on_grad_accumulated, g, i)
+                    hook = _weak_hook(self, g, i)
                     self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     # ------------------------------------------------------------------ plumbing

@@ -1,0 +1,299 @@
+"""Per-rank worker for tests/test_zero3.py: stage 3 on N ranks, everything in one launch.
+
+Models, optimizers, seeds and the global batches are stage_cases.py's (the stages 0-2
+worker), so stage 3 is held to the same single-process references. Ranks initialise
+differently; the reference starts from rank 0's seed and trains on the whole global batch.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+from stage_cases import GLOBAL_BATCH, MODELS, SEED, STEPS, digest, optimizer_function
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from zero_lab import workloads as W
+from zero_lab.collectives import CommLedger
+from zero_lab.launch import init_worker, report
+from zero_lab.stages import full_state_dict, shard
+from zero_lab.stages.mixed_precision import mixed_precision_reference
+from zero_lab.stages.zero3 import Zero3, shard_zero3
+from zero_lab.workers.zero3_lifecycle import activation_bytes, measure_step
+
+
+class Checkpointed(nn.Module):
+    """Blocks under non-reentrant activation checkpointing: backward recomputes each block's
+    forward, which must find its unit gathered and leave it so."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(nn.Sequential(nn.Linear(13, 13), nn.Tanh()) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False)
+        return x
+
+
+MODELS = {**MODELS, "checkpointed": (Checkpointed, MODELS["mlp_odd"][1], W.mse_loss)}
+UNIT_CLASSES = {None: None, "linear": (nn.Linear,), "block": (W.Block,),
+                "block+linear": (W.Block, nn.Linear)}
+
+
+def case(model, optimizer, accumulation=1, clip=None, precision="fp32", prefetch=True,
+         units=None, torch_optimizer=False, blog_bug=False) -> dict:
+    name = f"{model}-{optimizer}-acc{accumulation}" + (f"-clip{clip}" if clip else "")
+    name += f"-{precision}" + ("-prefetch" if prefetch else "-noprefetch")
+    name += f"-units:{units}" if units else ""
+    name += "-torch_optimizer" if torch_optimizer else ""
+    name += "-blog_bug" if blog_bug else ""
+    return dict(name=name, model=model, optimizer=optimizer, accumulation=accumulation,
+                clip=clip, precision=precision, prefetch=prefetch, units=units,
+                torch_optimizer=torch_optimizer, blog_bug=blog_bug)
+
+
+CASES = [
+    case("mlp_odd", "adam"),
+    case("mlp_nobias", "sgd_momentum", accumulation=2, prefetch=False),
+    case("nested", "adamw", clip=0.05),  # frozen layer, a layer used twice, a 0-d parameter
+    case("nested", "adam", units="linear", prefetch=False),
+    case("gpt", "adam", accumulation=2, clip=0.5),  # tied head: the root unit holds it
+    case("gpt", "adamw", units="block+linear"),  # nested units
+    case("gpt", "adam", units="block", prefetch=False),
+    case("mlp_odd", "adam", torch_optimizer=True),  # torch.optim.Adam(model.parameters())
+    case("mlp_odd", "adam", precision="mixed"),
+    case("gpt", "adamw", accumulation=2, clip=0.5, precision="mixed"),
+    case("checkpointed", "adamw", accumulation=2),
+    case("mlp_odd", "adam", blog_bug=True),  # must be caught: the equivalence test has teeth
+]
+
+
+class _Done:
+    """A finished collective (what a synchronous call has already waited for)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
+def blog_gradients(sync: Zero3) -> None:
+    """Give stage 3 the seed blog's gradient step: instead of reduce-scattering, each rank
+    cuts *its own* chunk out of its full gradient and all-reduces that, so rank 0's chunk 0
+    is averaged with rank 1's chunk 1."""
+    for group in sync.groups:
+        def all_reduce_own_chunk(shard_out, full_in, op=None, async_op=False, group=group):
+            mine = group.shard(full_in).clone()
+            dist.all_reduce(mine)
+            shard_out.copy_(mine / group.world_size)
+            return _Done()
+
+        group.reduce_scatter = all_reduce_own_chunk
+
+
+def build(c: dict, model: nn.Module):
+    make_opt = optimizer_function(c["optimizer"])
+    model, opt = shard_zero3(model, make_opt, prefetch=c["prefetch"], precision=c["precision"],
+                             unit_classes=UNIT_CLASSES[c["units"]])
+    if c["blog_bug"]:
+        blog_gradients(model._zero_lab_sharded.sync)
+    if c["torch_optimizer"]:
+        opt = make_opt(list(model.parameters()))  # the local slices, as FSDP2's
+    return model, opt
+
+
+def run_case(c: dict, rank: int, world: int) -> dict:
+    make_model, global_batch, loss_fn = MODELS[c["model"]]
+    make_opt = optimizer_function(c["optimizer"])
+    torch.manual_seed(SEED + rank)  # ranks start different: shard() must broadcast rank 0's
+    model = make_model()
+    torch.manual_seed(SEED)  # the reference starts from rank 0's initialisation
+    ref = make_model()
+    model, opt = build(c, model)
+    sync = model._zero_lab_sharded.sync
+    if c["precision"] == "mixed":
+        ref, ref_opt = mixed_precision_reference(ref, make_opt)
+    else:
+        ref_opt = make_opt([p for p in ref.parameters() if p.requires_grad])
+
+    def local(step):
+        return W.rank_slice(global_batch(step), rank, world)
+
+    res = W.train(model, opt, local, loss_fn, STEPS, c["accumulation"], c["clip"])
+    ref_res = W.train(ref, ref_opt, global_batch, loss_fn, STEPS, 1, c["clip"])
+    full = full_state_dict(model)
+    ref_full = (ref_opt.full_state_dict(ref) if c["precision"] == "mixed"
+                else full_state_dict(ref))
+    diffs = {k: (full[k].float() - ref_full[k].float()).abs().max().item() for k in ref_full}
+    precision_gap = None
+    if c["precision"] == "mixed":  # how far mixed precision itself moves the weights
+        torch.manual_seed(SEED)
+        fp32 = make_model()
+        fp32_opt = make_opt([p for p in fp32.parameters() if p.requires_grad])
+        W.train(fp32, fp32_opt, global_batch, loss_fn, STEPS, 1, c["clip"], measure_memory=False)
+        fp32_full = full_state_dict(fp32)
+        precision_gap = max((fp32_full[k].float() - ref_full[k].float()).abs().max().item()
+                            for k in ref_full)
+
+    # One more step under the ledger: what a step sends, unit by unit.
+    with CommLedger() as ledger:
+        loss_fn(model, local(STEPS)).backward()
+        opt.step()
+        opt.zero_grad()
+    units = sync.units
+    return {
+        "name": c["name"], "model": c["model"], "precision": c["precision"],
+        "optimizer": c["optimizer"], "units": [u.name for u in units],
+        "blog_bug": c["blog_bug"], "torch_optimizer": c["torch_optimizer"],
+        "keys_match": sorted(full) == sorted(ref.state_dict()),
+        "max_abs_diff": max(diffs.values()), "worst_key": max(diffs, key=diffs.get),
+        "precision_gap": precision_gap, "digest": digest(full),
+        "losses": res["losses"], "ref_losses": ref_res["losses"],
+        "grad_norms": res["grad_norms"], "ref_grad_norms": ref_res["grad_norms"],
+        "held_after_backward": res["held_after_backward"],
+        "n_trainable": W.count_parameters(ref, trainable_only=True),  # Ψ
+        "n_frozen": W.count_parameters(ref) - W.count_parameters(ref, trainable_only=True),
+        "unit_numels": [u.group.numel for u in units],
+        "unit_padded": [u.group.padded_numel for u in units],
+        "shard_numel": sum(u.group.shard_numel for u in units),
+        "element_size": units[0].local.element_size(),
+        "local_param_numels": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "gathered_after": sync.gathered_bytes(),
+        "all_gather_sizes": sorted(r.nbytes for r in ledger.records if r.op == "all_gather"),
+        "reduce_scatter_sizes": sorted(r.nbytes for r in ledger.records
+                                       if r.op == "reduce_scatter"),
+        "other_ops": sorted({r.op for r in ledger.records} - {"all_gather", "reduce_scatter"}),
+        "in_backward": sorted({r.op for r in ledger.records if r.in_backward}),
+    }
+
+
+def grads_after_backward(rank: int, world: int) -> dict:
+    """Right after backward (two calls, accumulating), every parameter's .grad is its piece
+    of the one-process gradient; after opt.zero_grad() or a torch optimizer's zero_grad on
+    model.parameters() (grads set to None) the next backward starts from zero."""
+    make_model, global_batch, loss_fn = MODELS["gpt"]
+    torch.manual_seed(SEED + rank)
+    model = make_model()
+    torch.manual_seed(SEED)
+    ref = make_model()
+    model, opt = shard(model, 3, optimizer_function("adam"))
+    sync = opt.sync
+    errors, views, cleared = [], [], []
+    for trial in range(3):
+        for step in (trial, trial + 1):  # two backward calls accumulate
+            loss_fn(model, W.rank_slice(global_batch(step), rank, world)).backward()
+            loss_fn(ref, global_batch(step)).backward()
+        ref_grads = {n: p.grad for n, p in ref.named_parameters()}
+        for unit, step_param in zip(sync.units, sync.step_params, strict=True):
+            expected = unit.group.shard(unit.group.flatten([ref_grads[n]
+                                                            for n in unit.group.names]))
+            errors.append((step_param.grad - expected).abs().max().item())
+            for p, piece in zip(unit.params, unit.pieces(step_param.grad), strict=True):
+                views.append(p.grad is not None and p.grad.data_ptr() == piece.data_ptr()
+                             and p.grad.shape == p.shape)
+        # trial 0: the optimizer's zero_grad; 1: set to None through model.parameters()
+        # (what a torch optimizer built on them does); 2: zero in place, keep the views
+        if trial == 0:
+            opt.zero_grad()
+        elif trial == 1:
+            torch.optim.SGD(model.parameters(), lr=0.0).zero_grad()
+        else:
+            opt.zero_grad(set_to_none=False)
+        cleared.append(all(p.grad is None or not p.grad.any() for p in model.parameters()))
+        ref.zero_grad()
+    return {"max_error": max(errors), "grads_are_views": all(views), "cleared": cleared,
+            "gathered_after": sync.gathered_bytes()}
+
+
+def inference(rank: int, world: int) -> dict:
+    """Forward under no_grad and in eval mode with grad enabled (no backward follows):
+    outputs equal one process's, and nothing stays gathered."""
+    make_model, global_batch, loss_fn = MODELS["nested"]
+    torch.manual_seed(SEED)
+    ref = make_model()
+    torch.manual_seed(SEED + rank)
+    model, opt = shard(make_model(), 3, optimizer_function("adam"))
+    x = global_batch(0)[0]
+    out = {}
+    for mode in ("no_grad", "eval_grad_enabled"):
+        model.eval()
+        with CommLedger() as ledger, torch.set_grad_enabled(mode != "no_grad"):
+            for _ in range(2):  # the second forward prefetches (order recorded by the first)
+                y = model(x)
+        out[mode] = {"error": (y - ref(x)).abs().max().item(),
+                     "gathered_after": opt.sync.gathered_bytes(),
+                     "busy_units": sum(u.busy for u in opt.sync.units),
+                     "all_gathers": ledger.count("all_gather"),
+                     "other_ops": sorted({r.op for r in ledger.records} - {"all_gather"})}
+    out["n_units"] = len(opt.sync.units)
+    out["shared_calls"] = 2  # Nested applies `shared` twice per forward
+    return out
+
+
+def lifecycle(rank: int, world: int) -> dict:
+    """The 6-block MLP: memory timeline, held bytes, what is left after a step; prefetch
+    off and on."""
+    width, depth, rows = 64, 6, 8
+
+    def batches():
+        return [W.rank_slice(W.mlp_batch(s, rows * world, width), rank, world)
+                for s in range(2)]
+
+    out = {"psi": W.count_parameters(W.deep_mlp(width, depth))}
+    for prefetch in (False, True):
+        torch.manual_seed(SEED)
+        out[f"prefetch_{prefetch}"] = measure_step(
+            lambda: W.deep_mlp(width, depth), batches(), torch.device("cpu"), 3, prefetch,
+            walk_live_tensors=prefetch)  # one walk of every live tensor (about a second)
+    torch.manual_seed(SEED)
+    out["activations"] = activation_bytes(W.deep_mlp(width, depth), *batches()[-1],
+                                          torch.device("cpu"))
+    return out
+
+
+def error_cases() -> dict:
+    def message(fn) -> str:
+        try:
+            fn()
+        except Exception as exc:  # noqa: BLE001 - the message is what is tested
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    return {
+        "unit_classes": message(lambda: shard_zero3(W.deep_mlp(4, 1), unit_classes=("Linear",))),
+        "twice": message(lambda: shard(shard(W.deep_mlp(4, 1), 3)[0], 3)),
+        "batchnorm": message(lambda: shard(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), 3)),
+        "frozen": message(lambda: shard(W.deep_mlp(4, 1).requires_grad_(False), 3)),
+    }
+
+
+def main() -> None:
+    info = init_worker()
+    rank, world = info.rank, info.world_size
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cases, seconds = [], {}
+        for c in CASES:
+            start = time.perf_counter()
+            cases.append(run_case(c, rank, world))
+            cases[-1]["seconds"] = time.perf_counter() - start
+        out = {"cases": cases, "global_batch": GLOBAL_BATCH}
+        for name, fn in (("grads", grads_after_backward), ("inference", inference),
+                         ("lifecycle", lifecycle)):
+            start = time.perf_counter()
+            out[name] = fn(rank, world)
+            seconds[name] = time.perf_counter() - start
+        out["errors"] = error_cases() if world == 2 else {}
+        out["seconds"] = seconds
+        dist.barrier()
+    out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
+    report(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,179 @@
+"""Stage 3's units: how a model is cut into them, and what one unit holds.
+
+A *unit* is a module whose trainable parameters stage 3 gathers and releases together, as
+FSDP wraps modules. `plan_units` decides which parameters each unit holds (a tied or shared
+weight goes to the unit that encloses all its users); `Unit` keeps one unit's flat layout,
+this rank's slice of it, and the full buffer that exists only while the unit computes, with
+the three moves of its lifecycle: start the all-gather, finish it, release. zero3.py drives
+them from module and autograd hooks.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_lab.partition import FlatParamGroup, allocate_storage, free_storage
+
+# Modules that only hold other modules: their children are the units, not they.
+CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
+ROOT_NAME = "(root)"
+
+
+def unit_modules(model: nn.Module, unit_classes: Sequence[type] | None = None
+                 ) -> list[tuple[str, nn.Module]]:
+    """(name, module) of every unit candidate below the root, in registration order.
+
+    Default: each child that owns trainable parameters, looking into containers. With
+    `unit_classes`: every module (at any depth, nested ones included) of those classes.
+    """
+    if unit_classes is not None:
+        classes = tuple(unit_classes)
+        if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module)
+                                  for c in classes):
+            raise TypeError(f"unit_classes must be nn.Module subclasses, got {unit_classes!r}")
+        return [(name, m) for name, m in model.named_modules()
+                if m is not model and isinstance(m, classes)]
+    found: list[tuple[str, nn.Module]] = []
+
+    def visit(prefix: str, module: nn.Module) -> None:
+        for name, child in module.named_children():
+            if isinstance(child, CONTAINERS):
+                visit(f"{prefix}{name}.", child)
+            elif any(p.requires_grad for p in child.parameters()):
+                found.append((f"{prefix}{name}", child))
+
+    visit("", model)
+    return found
+
+
+def plan_units(model: nn.Module, unit_classes: Sequence[type] | None = None
+               ) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
+    """[(unit name, module, [(parameter name, parameter)])], the root unit last.
+
+    A trainable parameter belongs to the innermost unit enclosing the module that owns it.
+    A parameter owned by several modules (a tied weight) goes to the innermost unit that
+    encloses all of them, their common ancestor: it is gathered whenever any of them runs.
+    Units left without trainable parameters are dropped.
+    """
+    candidates = unit_modules(model, unit_classes) + [(ROOT_NAME, model)]
+    index = {id(m): i for i, (_, m) in enumerate(candidates)}
+
+    # For every module, the units enclosing it from outside, outermost (the root) first; for
+    # a module placed at two places in the tree (a shared submodule), the units common to both.
+    outer: dict[int, tuple[int, ...]] = {}
+
+    def walk(module: nn.Module, enclosing: tuple[int, ...]) -> None:
+        if id(module) in outer:
+            seen = outer[id(module)]
+            common = _common_prefix([seen, enclosing])
+            if common == seen:
+                return
+            enclosing = common
+        outer[id(module)] = enclosing
+        for child in module.children():
+            walk(child, chain(module))
+
+    def chain(module: nn.Module) -> tuple[int, ...]:
+        return outer[id(module)] + ((index[id(module)],) if id(module) in index else ())
+
+    walk(model, ())
+    owners: dict[int, list[nn.Module]] = {}
+    for module in model.modules():
+        for p in module.parameters(recurse=False):
+            owners.setdefault(id(p), []).append(module)
+
+    members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in candidates]
+    for name, p in model.named_parameters():  # each distinct parameter once
+        if not p.requires_grad:
+            continue
+        members[_common_prefix([chain(m) for m in owners[id(p)]])[-1]].append((name, p))
+    return [(name, module, params) for (name, module), params
+            in zip(candidates, members, strict=True) if params]
+
+
+def _common_prefix(chains: list[tuple[int, ...]]) -> tuple[int, ...]:
+    """The longest chain of units that starts every one of `chains`."""
+    common: list[int] = []
+    for level in zip(*chains, strict=False):
+        if len(set(level)) > 1:
+            break
+        common.append(level[0])
+    return tuple(common)
+
+
+class Unit:
+    """One unit: its flat layout, this rank's slice, and a full buffer that exists only
+    while the unit computes.
+
+    `local` (S elements) holds this rank's part of the parameters, in memory of its own.
+    `full` (N·S elements) is allocated, all-gathered into, and freed in place again;
+    `full_views` are the parameter-shaped views of it the module computes with, and
+    `local_views` each parameter's piece of `local` (1-D, possibly empty): the parameters
+    at rest.
+    """
+
+    def __init__(self, name: str, module: nn.Module, group: FlatParamGroup,
+                 local: torch.Tensor) -> None:
+        self.name = name
+        self.module = module
+        self.group = group
+        self.params = group.params
+        self.local = local
+        self.full = group.new_full(local.dtype)
+        self.full_views = group.views(self.full)  # made while the storage exists
+        free_storage(self.full)  # nothing gathered yet
+        # Where each parameter's local piece sits in `local`: [start, end).
+        spans = [(0, 0)] * len(self.params)
+        for piece in group.shard_pieces():
+            spans[piece.index] = (piece.shard_start, piece.shard_start + piece.numel)
+        self.spans = spans
+        self.local_views = self.pieces(local)
+        self.work: dist.Work | None = None  # an all-gather in flight (prefetch)
+        self.gathered = False
+        for p, piece in zip(self.params, self.local_views, strict=True):
+            p.data = piece
+
+    def pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's 1-D piece of a slice-sized tensor (the parameters, a gradient)."""
+        return [shard[start:end] for start, end in self.spans]
+
+    def start_gather(self) -> None:
+        """Give `full` its memory back and start the all-gather into it (asynchronously)."""
+        allocate_storage(self.full)
+        self.work = self.group.all_gather(self.full, self.local, async_op=True)
+
+    def finish_gather(self) -> None:
+        """Wait for the all-gather; the parameters become views of the full buffer."""
+        self.work.wait()
+        self.work = None
+        for p, view in zip(self.params, self.full_views, strict=True):
+            p.data = view
+        self.gathered = True
+
+    def release(self) -> None:
+        """The parameters become local pieces again and the full buffer's memory is freed.
+
+        Free the storage, in place: views of `full` that autograd saved keep the same
+        storage object, which the next all-gather refills.
+        """
+        if self.work is not None:  # a prefetched all-gather nobody used
+            self.work.wait()
+            self.work = None
+        for p, piece in zip(self.params, self.local_views, strict=True):
+            p.data = piece
+        free_storage(self.full)
+        self.gathered = False
+
+    @property
+    def busy(self) -> bool:
+        """Gathered, or being gathered."""
+        return self.gathered or self.work is not None
+
+    def __repr__(self) -> str:
+        g = self.group
+        return (f"Unit({self.name}: {len(self.params)} params, numel={g.numel}, "
+                f"padded={g.padded_numel}, slice={g.shard_numel})")

@@ -1,0 +1,337 @@
+"""Stage 3 (ZeRO P_os+g+p, FSDP's full sharding): shard the parameters too.
+
+What is sharded: everything. Each rank keeps only its slice of the parameters, of the
+gradients and of the optimizer states: (p + g + K)·Ψ/N bytes per rank (ZeRO paper, section
+5.3), 16Ψ/N with Adam in fp32 or in mixed precision. Full parameters exist only while the
+*unit* that needs them computes.
+
+Units. The model is cut into units, as FSDP wraps modules: by default every child module
+that owns trainable parameters (containers such as nn.ModuleList and nn.Sequential are
+looked into, so each block of a stack is a unit), or every module of the classes you list
+(`unit_classes`, FSDP's wrapping policy); units.py cuts the model. What no unit claims (and
+a weight tied or shared between two units) belongs to the unit enclosing both, at the least
+the root unit, the model itself. Each unit's trainable parameters are one `FlatParamGroup`
+(partition.py): this rank holds the slice [r·S, (r+1)·S) of its padded flat buffer, in
+memory of its own (`Unit.local`). A unit is gathered by hooks on its forward, so it must be
+*called*: a parent that reads a child's weight without calling the child needs
+`unit_classes` that leave the child inside the parent's unit (otherwise it finds the
+weight's 1-D local piece and fails with a shape error, never silently). Activation
+checkpointing works (the non-reentrant kind, as for stages 0-2): a forward recomputed
+during backward finds its unit gathered and leaves it so.
+
+At rest, every original nn.Parameter stays in its module, so names, tied weights and user
+references stay valid, but its `.data` is its piece of this rank's slice: a 1-D view,
+possibly empty. So `model.parameters()` yields the local slices (as FSDP2 does) and any
+element-wise torch optimizer built on them updates local data only, with no communication.
+
+One training step, for one unit of Ψ_u elements (the collectives in CAPITALS):
+
+    forward pre-hook     ALL-GATHER the unit (Ψ_u) into its full buffer; the parameters
+                         become parameter-shaped views of it
+    the unit's forward   computes; autograd saves what backward needs (the weight, and views
+                         of it such as weight.t())
+    forward post-hook    release: the parameters become local pieces again and the full
+                         buffer's storage is freed in place (`free_storage`); a hook is put
+                         on the unit's outputs
+    pre-backward hook    (the first gradient reaching the outputs) ALL-GATHER again, into
+                         the *same* storage, so every view autograd saved sees the
+                         parameters again: that is why the storage is resized, not replaced
+    the unit's backward  gradients of the full parameters; each is copied into the unit's
+                         full gradient buffer and dropped (stage 2's hook)
+    last gradient in     release the full parameters; REDUCE-SCATTER the full gradient
+                         (Ψ_u), asynchronously: this rank's averaged slice is added to its
+                         gradient slice, and the full gradient is freed once sent
+
+Per step: two all-gathers of Ψ and one reduce-scatter of Ψ = 3Ψ, 1.5x the 2Ψ of stages 0-2
+(ZeRO paper, section 7.2.2), for N times less parameter memory. When `loss.backward()`
+returns, the callback queued on the autograd engine has waited for every reduce-scatter:
+each parameter's `.grad` is its piece of the final averaged gradient slice.
+
+Prefetch (`prefetch=True`): the first step records the order in which units run forward
+and backward; later steps start the all-gather of the *next* unit, asynchronously, as soon
+as the current one starts computing, so communication overlaps computation. At most two
+units are gathered at once (the current and the next).
+
+Why rebinding `.data` alone would not free memory (the seed blog's `release`): autograd
+holds references to the tensors forward used; `param.data = shard` moves the parameter but
+leaves those references, and the memory, alive. Here the storage itself shrinks to zero.
+
+Stage 3 is stage 2 plus parameter sharding, and the code says so: `Zero3` subclasses
+`Zero2`, which brings the gradient hooks, the in-order hand-over, the end-of-backward
+callback (gradient_sync.py) and the asynchronous reduce-scatter into the gradient slice;
+it adds the gathering and releasing of units. Frozen parameters (requires_grad=False) are
+not sharded: they stay whole on every rank, as in stages 0-2, since they need no gradient
+or optimizer state.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_lab.partition import FlatParamGroup
+from zero_lab.stages.mixed_precision import COMPUTE_DTYPE, to_compute_dtype
+from zero_lab.stages.sharded_optimizer import ShardedOptimizer, check_optimizer
+from zero_lab.stages.units import Unit, plan_units
+from zero_lab.stages.zero2 import Zero2
+
+# ============================================================================ the stage
+
+
+class Zero3(Zero2):
+    """Stage 2's gradient path, plus units gathered just in time and released after use."""
+
+    stage = 3
+    sharded = True
+    MAX_IN_FLIGHT = 1  # reduce-scatters not yet complete: keeps at most two full gradients
+
+    def __init__(self, model: nn.Module, units: list[Unit], prefetch: bool = True) -> None:
+        super().__init__([u.group for u in units], owned_slices=[u.local for u in units])
+        self.units = units
+        self.prefetch = prefetch
+        self.forward_order: list[int] | None = None  # recorded on the first forward
+        self.backward_order: list[int] | None = None  # recorded on the first backward
+        self._forward_record: list[int] | None = None
+        self._backward_record: list[int] = []
+        self._next: dict[str, dict[int, int]] = {"forward": {}, "backward": {}}
+        self._grads_taken = [False] * len(units)
+        # Teaching hook: called as on_event(what, unit name) at "gather", "release" and
+        # "reduce_scatter" (notebook 05 marks unit boundaries on its memory timeline).
+        self.on_event: Callable[[str, str], None] | None = None
+        root = None
+        for u, unit in enumerate(units):
+            if unit.module is model:
+                root = u
+                continue
+            unit.module.register_forward_pre_hook(partial(self._pre_forward, u))
+            unit.module.register_forward_hook(partial(self._post_forward, u))
+        # The model's own hooks run first and last: they bracket the whole forward.
+        model.register_forward_pre_hook(partial(self._forward_start, root))
+        model.register_forward_hook(partial(self._forward_end, root))
+
+    # ------------------------------------------------------------------ gather / release
+    def gather(self, u: int, wait: bool = True) -> None:
+        """Make unit u's full parameters available (start only, when `wait` is False)."""
+        unit = self.units[u]
+        if unit.gathered:
+            return
+        if unit.work is None:
+            self._event("gather", u)
+            unit.start_gather()
+        if wait:
+            unit.finish_gather()
+
+    def release(self, u: int) -> None:
+        unit = self.units[u]
+        if unit.busy:
+            unit.release()
+            self._event("release", u)
+
+    def _prefetch(self, phase: str, u: int) -> None:
+        nxt = self._next[phase].get(u)
+        if self.prefetch and nxt is not None:
+            self.gather(nxt, wait=False)
+
+    def _event(self, what: str, u: int) -> None:
+        if self.on_event is not None:
+            self.on_event(what, self.units[u].name)
+
+    # ------------------------------------------------------------------ forward hooks
+    def _forward_start(self, root: int | None, module: nn.Module, args) -> None:
+        if self.forward_order is None and self._forward_record is None:
+            self._forward_record = []
+        if root is not None:
+            self._pre_forward(root, module, args)
+
+    def _pre_forward(self, u: int, module: nn.Module, args) -> None:
+        if _in_backward():  # recomputed by activation checkpointing: already gathered
+            self.gather(u)
+            return
+        if self._forward_record is not None and u not in self._forward_record:
+            self._forward_record.append(u)
+        self.gather(u)
+        self._prefetch("forward", u)
+
+    def _post_forward(self, u: int, module: nn.Module, args, output) -> None:
+        if _in_backward():  # a recomputation inside the unit's backward: keep it gathered
+            return
+        self.release(u)
+        if torch.is_grad_enabled():
+            outputs = [t for t in _tensors(output) if t.requires_grad]
+            if outputs:  # gather again when backward reaches this unit
+                torch.autograd.graph.register_multi_grad_hook(
+                    outputs, partial(self._pre_backward, u), mode="any")
+
+    def _forward_end(self, root: int | None, module: nn.Module, args, output) -> None:
+        if root is not None:
+            self._post_forward(root, module, args, output)
+        for u in range(len(self.units)):  # a prefetch the forward did not use
+            self.release(u)
+        if self._forward_record is not None:  # the first forward: learn the order
+            order, self._forward_record = self._forward_record, None
+            self.forward_order = order
+            self._next["forward"] = dict(zip(order, order[1:], strict=False))
+            # Reduce-scatters go out in the order backward completes units: the reverse.
+            unused = [u for u in range(len(self.units)) if u not in order]
+            self.handover_order = order[::-1] + unused
+
+    # ------------------------------------------------------------------ backward
+    def _pre_backward(self, u: int, _grad: torch.Tensor) -> None:
+        self.queue_backward_callback()
+        if self.backward_order is None and u not in self._backward_record:
+            self._backward_record.append(u)
+        self._take_grads(u)
+        self.gather(u)
+        self._prefetch("backward", u)
+
+    def _take_grads(self, u: int) -> None:
+        """Before unit u's gradients arrive: fold into the gradient slice what was done to
+        the parameters' `.grad` pieces since the last backward (a torch optimizer built on
+        model.parameters() zeroes them by setting them to None), then clear `.grad`:
+        autograd is about to deliver full-shaped gradients."""
+        if self._grads_taken[u]:
+            return
+        self._grads_taken[u] = True
+        unit, step_param = self.units[u], self.step_params[u]
+        if step_param.grad is not None:
+            if all(p.grad is None for p in unit.params):
+                step_param.grad = None
+            else:
+                for p, piece in zip(unit.params, unit.pieces(step_param.grad), strict=True):
+                    if p.grad is None:
+                        piece.zero_()
+                    elif p.grad.data_ptr() != piece.data_ptr():
+                        piece.copy_(p.grad)
+        for p in unit.params:
+            p.grad = None
+
+    def on_group_ready(self, g: int) -> None:
+        # Every gradient of unit g is in its full gradient buffer: the full parameters are
+        # no longer needed; the gradient goes out as in stage 2.
+        self._take_grads(g)
+        self.release(g)
+        self._event("reduce_scatter", g)
+        super().on_group_ready(g)
+
+    def on_backward_end(self) -> None:
+        super().on_backward_end()  # wait for the last reduce-scatters
+        for u in range(len(self.units)):
+            self.release(u)  # a unit prefetched for a backward that did not come
+        self._give_out_grads()
+        self._grads_taken = [False] * len(self.units)
+        if self.backward_order is None and self._backward_record:
+            order, self._backward_record = self._backward_record, []
+            self.backward_order = order
+            self._next["backward"] = dict(zip(order, order[1:], strict=False))
+
+    def _give_out_grads(self) -> None:
+        """Each parameter's `.grad` becomes its piece of the unit's gradient slice."""
+        for unit, step_param in zip(self.units, self.step_params, strict=True):
+            grad = step_param.grad
+            pieces = unit.pieces(grad) if grad is not None else [None] * len(unit.params)
+            for p, piece in zip(unit.params, pieces, strict=True):
+                p.grad = piece
+
+    # ------------------------------------------------------------------ optimizer side
+    def after_step(self) -> None:
+        """Nothing to send: the slices were updated in place, and the next forward gathers."""
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        if set_to_none:
+            for unit in self.units:
+                for p in unit.params:
+                    p.grad = None
+
+    def full_flat_params(self, g: int) -> torch.Tensor:
+        """A full copy of unit g's flat parameters (an all-gather: call it on every rank)."""
+        unit = self.units[g]
+        full = unit.group.new_full(unit.local.dtype)
+        unit.group.all_gather(full, unit.local)
+        return full
+
+    # ------------------------------------------------------------------ for learners
+    def gathered_bytes(self) -> int:
+        """Bytes of full parameter buffers allocated right now (0 between steps)."""
+        return sum(u.full.untyped_storage().nbytes() for u in self.units)
+
+    def describe(self) -> list[dict]:
+        """One row per unit: name, parameters, elements, padded elements, slice size."""
+        return [{"unit": u.name, "params": len(u.params), "numel": u.group.numel,
+                 "padded": u.group.padded_numel, "slice": u.group.shard_numel}
+                for u in self.units]
+
+
+def _in_backward() -> bool:
+    return torch._C._current_graph_task_id() != -1
+
+
+def _tensors(obj) -> list[torch.Tensor]:
+    """Every tensor inside a module's output (tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    if isinstance(obj, (list, tuple)):
+        return [t for x in obj for t in _tensors(x)]
+    if isinstance(obj, dict):
+        return [t for x in obj.values() for t in _tensors(x)]
+    return []
+
+
+# ============================================================================ shard()
+
+
+def shard_zero3(
+    model: nn.Module,
+    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
+    prefetch: bool = True,
+    precision: str = "fp32",
+    unit_classes: Sequence[type] | None = None,
+) -> tuple[nn.Module, ShardedOptimizer]:
+    """`shard(model, 3, ...)`, with a choice of units: `unit_classes`, e.g. (Block,), makes
+    every module of those classes a unit, like FSDP's wrapping policy.
+
+    Same checks and refusals as `shard()`. Every rank starts from rank 0's parameters and
+    buffers. In mixed precision the slices are bf16 (so are the all-gathers and the
+    reduce-scatters) and the optimizer steps fp32 masters of the slice.
+    """
+    from zero_lab import stages  # the package imports this module: look it up at call time
+
+    optimizer = optimizer or stages.default_optimizer
+    stages._check_arguments(3, 25.0, prefetch, precision, "reduce_scatter")
+    stages._check_model(model)
+    probe = [nn.Parameter(torch.zeros(1))]  # try the optimizer function before changing anything
+    check_optimizer(optimizer(probe), probe)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mixed = precision == "mixed"
+    units, masters = [], []
+    for name, module, named in plan_units(model, unit_classes):
+        params = [p for _, p in named]
+        names = [n for n, _ in named]
+        group = FlatParamGroup(params, world, rank, names)
+        flat = group.flatten()
+        dist.broadcast(flat, src=0)  # every rank starts from rank 0's parameters
+        local = group.shard(flat).clone()  # this rank's slice, in memory of its own
+        if mixed:
+            masters.append(local)  # fp32, taken before anything is rounded to bf16
+            local = local.to(COMPUTE_DTYPE)
+            for p in params:  # the same layout, in the compute dtype
+                p.data = p.data.to(COMPUTE_DTYPE)
+            group = FlatParamGroup(params, world, rank, names)
+        del flat
+        units.append(Unit(name, module, group, local))
+    with torch.no_grad():
+        for p in model.parameters():
+            if not p.requires_grad:  # frozen: kept whole on every rank, as in stages 0-2
+                dist.broadcast(p.data, src=0)
+        for buf in model.buffers():
+            dist.broadcast(buf, src=0)
+    if mixed:
+        to_compute_dtype(model, skip={id(p) for unit in units for p in unit.params})
+    sync = Zero3(model, units, prefetch=prefetch)
+    opt = ShardedOptimizer(sync, optimizer, masters if mixed else None)
+    setattr(model, stages.SHARDED_ATTR, opt)  # for full_state_dict(model)
+    return model, opt
