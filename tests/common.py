@@ -17,3 +17,8 @@ def stage_case_reports(nproc: int) -> tuple[dict, ...]:
     """Every rank's report from tests/workers/stage_cases.py run on `nproc` gloo ranks."""
     result = torchrun(STAGE_CASES, nproc=nproc, timeout=600, stream=False, backend="gloo")
     return tuple(result.ranks)
+
+
+def select_cases(reports: tuple[dict, ...], rank: int = 0, **match) -> list[dict]:
+    """The cases rank `rank` reported whose fields equal every `match` (e.g. precision="fp32")."""
+    return [c for c in reports[rank]["cases"] if all(c[k] == v for k, v in match.items())]

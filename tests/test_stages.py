@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from common import WORLD_SIZES, stage_case_reports
+from common import WORLD_SIZES, select_cases, stage_case_reports
 
 from zero_lab import memory
 from zero_lab import workloads as W
@@ -31,8 +31,6 @@ def ranks(request) -> tuple[int, tuple[dict, ...]]:
     return n, stage_case_reports(n)
 
 
-def _cases(reports: tuple[dict, ...], rank: int = 0, **match) -> list[dict]:
-    return [c for c in reports[rank]["cases"] if all(c[k] == v for k, v in match.items())]
 
 
 # ------------------------------------------------------------------ equivalence
@@ -48,7 +46,7 @@ def test_every_rank_ran_every_case(ranks):
 
 def test_fp32_training_matches_one_process_on_the_global_batch(ranks):
     n, reports = ranks
-    for c in _cases(reports, precision="fp32"):
+    for c in select_cases(reports, precision="fp32"):
         assert c["keys_match"], c["name"]
         assert c["ref_moved"] > 1e-2, f"{c['name']}: the reference barely trained"
         assert c["max_abs_diff"] <= FP32_ATOL, (c["name"], c["worst_key"], c["max_abs_diff"])
@@ -88,7 +86,7 @@ def test_mixed_precision_matches_its_single_process_reference(ranks):
     apart at bf16 level; the drift must stay within what mixed precision itself causes
     (fp32 reference vs mixed reference)."""
     n, reports = ranks
-    mixed = _cases(reports, precision="mixed")
+    mixed = select_cases(reports, precision="mixed")
     assert len(mixed) == 4
     for c in mixed:
         assert c["keys_match"], c["name"]
@@ -147,7 +145,7 @@ def test_held_bytes_after_backward_match_the_memory_model(ranks):
 
 def test_sharded_stages_hold_less_than_stage_0(ranks):
     n, reports = ranks
-    same = _cases(reports, model="mlp_odd", optimizer="adam", variant="reduce_scatter",
+    same = select_cases(reports, model="mlp_odd", optimizer="adam", variant="reduce_scatter",
                   standalone=False, precision="fp32")
     by_stage = {c["stage"]: c["held_after_backward"] for c in same if c["n_groups"] == 1}
     if n == 1:
@@ -207,6 +205,7 @@ REFUSALS = {
     "precision": "ValueError: precision must be one of ('fp32', 'mixed'), got 'fp16'",
     "bucket": "ValueError: bucket_mb must be a positive number of megabytes, got 0",
     "variant": "ValueError: zero1_variant applies to stage 1 only, not stage 2",
+    "unit_classes": "ValueError: unit_classes applies to stage 3 only, not stage 1",
     "batchnorm": "ValueError: 1 is a BatchNorm1d: its batch statistics would come from each "
                  "rank's local batch, so training would not match one process on the global "
                  "batch; use nn.SyncBatchNorm, LayerNorm or GroupNorm",

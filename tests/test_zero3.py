@@ -17,6 +17,7 @@ from functools import cache
 
 import pytest
 import torch
+from common import select_cases
 from torch import nn
 
 from zero_lab import memory
@@ -42,8 +43,6 @@ def ranks(request) -> tuple[int, tuple[dict, ...]]:
     return request.param, zero3_reports(request.param)
 
 
-def _cases(reports, rank: int = 0, **match) -> list[dict]:
-    return [c for c in reports[rank]["cases"] if all(c[k] == v for k, v in match.items())]
 
 
 # ------------------------------------------------------------------ equivalence
@@ -59,7 +58,7 @@ def test_every_rank_ran_every_case(ranks):
 
 def test_fp32_training_matches_one_process_on_the_global_batch(ranks):
     n, reports = ranks
-    for c in _cases(reports, precision="fp32", blog_bug=False):
+    for c in select_cases(reports, precision="fp32", blog_bug=False):
         assert c["keys_match"], c["name"]
         assert c["max_abs_diff"] <= FP32_ATOL, (c["name"], c["worst_key"], c["max_abs_diff"])
 
@@ -69,7 +68,7 @@ def test_the_blog_gradient_bug_is_caught(ranks):
     chunk r is summed with other ranks' other chunks, and the weights go wrong at once. The
     same equivalence check that passes above must fail it (with one rank it is harmless)."""
     n, reports = ranks
-    (bug,) = _cases(reports, blog_bug=True)
+    (bug,) = select_cases(reports, blog_bug=True)
     if n == 1:
         assert bug["max_abs_diff"] <= FP32_ATOL
     else:
@@ -114,7 +113,7 @@ def test_mixed_precision_matches_its_single_process_reference(ranks):
     mixed precision itself causes (fp32 reference vs mixed reference). One rank, one
     micro-batch: the same recipe, bit for bit."""
     n, reports = ranks
-    mixed = _cases(reports, precision="mixed")
+    mixed = select_cases(reports, precision="mixed")
     assert len(mixed) == 2
     for c in mixed:
         assert c["keys_match"], c["name"]

@@ -453,26 +453,24 @@ def _function_source(name: str, fn: Callable) -> str:
     raise AssertionError("unreachable")
 
 
-def _launch_exercises(name: str, runs: Sequence[tuple[str, Callable]],
-                      timeout: float = 180.0) -> dict[str, list[dict]]:
-    """Run each (exercise, fn) of stage_exercises.py, all in one launch on 3 ranks.
+def _launch_learner_code(name: str, worker: str, sources: dict[str, str], keys: list[str],
+                         nproc: int, timeout: float) -> dict[str, list[dict]]:
+    """Run the learner's function `sources` under `zero_lab/workers/<worker>` on `nproc` ranks.
 
-    Returns {"exercise:function_name": [the report of rank 0, rank 1, rank 2]}. A learner
-    error on any rank becomes ExerciseFailed naming the case; a hang becomes a timeout
-    message about collectives that not every rank called.
+    The worker imports the functions from one file and reports, per key, what each rank
+    observed. Returns {key: [the report of rank 0, rank 1, ...]}. A learner error on any rank
+    becomes ExerciseFailed naming the case; a hang becomes a timeout message about
+    collectives that not every rank called.
     """
     import tempfile
 
     from zero_lab.launch import LaunchError, LaunchTimeout, torchrun
 
-    sources = {fn.__name__: _function_source(name, fn) for _, fn in runs}
     folder = Path(tempfile.mkdtemp(prefix=f"zero_lab-{name}-"))
     (folder / "learner.py").write_text("\n\n".join(sources.values()), encoding="utf-8")
-    worker = Path(__file__).resolve().parent / "workers" / "stage_exercises.py"
-    keys = [f"{exercise}:{fn.__name__}" for exercise, fn in runs]
-    nproc = STAGE_EXERCISE_RANKS
+    script = Path(__file__).resolve().parent / "workers" / worker
     try:
-        result = torchrun(worker, nproc=nproc, timeout=timeout, backend="gloo", stream=False,
+        result = torchrun(script, nproc=nproc, timeout=timeout, backend="gloo", stream=False,
                           args=[str(folder / "learner.py"), *keys])
     except LaunchTimeout:
         fail(name, f"the {nproc} ranks did not finish within {timeout:.0f} s",
@@ -481,6 +479,18 @@ def _launch_exercises(name: str, runs: Sequence[tuple[str, Callable]],
     except LaunchError as exc:
         _explain_rank_error(name, exc, nproc)
     return {key: [rank_report[key] for rank_report in result.ranks] for key in keys}
+
+
+def _launch_exercises(name: str, runs: Sequence[tuple[str, Callable]],
+                      timeout: float = 180.0) -> dict[str, list[dict]]:
+    """Run each (exercise, fn) of stage_exercises.py, all in one launch on 3 ranks.
+
+    Returns {"exercise:function_name": [the report of rank 0, rank 1, rank 2]}.
+    """
+    sources = {fn.__name__: _function_source(name, fn) for _, fn in runs}
+    keys = [f"{exercise}:{fn.__name__}" for exercise, fn in runs]
+    return _launch_learner_code(name, "stage_exercises.py", sources, keys,
+                                STAGE_EXERCISE_RANKS, timeout)
 
 
 def _run_exercise(name: str, exercise: str, fn: Callable) -> list[dict]:
@@ -878,33 +888,17 @@ def _launch_zero3_exercises(name: str, runs: Sequence[tuple[str, Sequence[Callab
     """Run each (exercise, functions) of zero3_exercises.py, all in one launch on 3 ranks.
 
     Returns {"exercise:fn1,fn2": [the report of rank 0, rank 1, rank 2]}. A stub fails at
-    once, without starting any rank; a learner error on a rank names the case it failed on.
+    once, without starting any rank.
     """
-    import tempfile
-
-    from zero_lab.launch import LaunchError, LaunchTimeout, torchrun
-
     sources = {}
     for exercise, fns in runs:
         for fn in fns:
             sources[fn.__name__] = _function_source(name, fn)
             if _zero3_stub(fn, exercise):
                 fail(name, "not implemented yet", "replace the `raise NotImplementedError` line")
-    folder = Path(tempfile.mkdtemp(prefix=f"zero_lab-{name}-"))
-    (folder / "learner.py").write_text("\n\n".join(sources.values()), encoding="utf-8")
-    worker = Path(__file__).resolve().parent / "workers" / "zero3_exercises.py"
     keys = [_zero3_key(exercise, fns) for exercise, fns in runs]
-    nproc = ZERO3_EXERCISE_RANKS
-    try:
-        result = torchrun(worker, nproc=nproc, timeout=timeout, backend="gloo", stream=False,
-                          args=[str(folder / "learner.py"), *keys])
-    except LaunchTimeout:
-        fail(name, f"the {nproc} ranks did not finish within {timeout:.0f} s",
-             "a rank is waiting in a collective that another rank never called: every rank "
-             "must issue the same collectives, in the same order, with the same sizes")
-    except LaunchError as exc:
-        _explain_rank_error(name, exc, nproc)
-    return {key: [rank_report[key] for rank_report in result.ranks] for key in keys}
+    return _launch_learner_code(name, "zero3_exercises.py", sources, keys,
+                                ZERO3_EXERCISE_RANKS, timeout)
 
 
 def _zero3_stub(fn: Callable, exercise: str) -> bool:

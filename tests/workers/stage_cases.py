@@ -256,14 +256,18 @@ def partition_checks(rank: int, world: int) -> dict:
                        for p in group.shard_pieces()]}
 
 
+def error_message(fn) -> str:
+    """`ExceptionType: message` of what fn() raises, or "no error"."""
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
 def error_cases() -> dict:
     """The text of every refusal (ranks fail identically before any collective)."""
-    def message(fn) -> str:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - the message is what is tested
-            return f"{type(exc).__name__}: {exc}"
-        return "no error"
+    message = error_message
 
     def mlp():
         return W.deep_mlp(5, 1)
@@ -283,6 +287,7 @@ def error_cases() -> dict:
         "precision": message(lambda: shard(mlp(), 1, precision="fp16")),
         "bucket": message(lambda: shard(mlp(), 2, bucket_mb=0)),
         "variant": message(lambda: shard(mlp(), 2, zero1_variant="all_reduce")),
+        "unit_classes": message(lambda: shard(mlp(), 1, unit_classes=(nn.Linear,))),
         "batchnorm": message(lambda: shard(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), 1)),
         "sparse": message(lambda: shard(nn.Sequential(nn.Embedding(9, 4, sparse=True)), 2)),
         "frozen": message(lambda: shard(all_frozen(), 1)),

@@ -12,7 +12,15 @@ import warnings
 
 import torch
 import torch.distributed as dist
-from stage_cases import GLOBAL_BATCH, MODELS, SEED, STEPS, digest, optimizer_function
+from stage_cases import (
+    GLOBAL_BATCH,
+    MODELS,
+    SEED,
+    STEPS,
+    digest,
+    error_message,
+    optimizer_function,
+)
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
@@ -98,8 +106,8 @@ def blog_gradients(sync: Zero3) -> None:
 
 def build(c: dict, model: nn.Module):
     make_opt = optimizer_function(c["optimizer"])
-    model, opt = shard_zero3(model, make_opt, prefetch=c["prefetch"], precision=c["precision"],
-                             unit_classes=UNIT_CLASSES[c["units"]])
+    model, opt = shard(model, 3, make_opt, prefetch=c["prefetch"], precision=c["precision"],
+                       unit_classes=UNIT_CLASSES[c["units"]])
     if c["blog_bug"]:
         blog_gradients(model._zero_lab_sharded.sync)
     if c["torch_optimizer"]:
@@ -257,12 +265,7 @@ def lifecycle(rank: int, world: int) -> dict:
 
 
 def error_cases() -> dict:
-    def message(fn) -> str:
-        try:
-            fn()
-        except Exception as exc:  # noqa: BLE001 - the message is what is tested
-            return f"{type(exc).__name__}: {exc}"
-        return "no error"
+    message = error_message
 
     return {
         "unit_classes": message(lambda: shard_zero3(W.deep_mlp(4, 1), unit_classes=("Linear",))),

@@ -1,4 +1,4 @@
-"""`shard()`: data parallelism and ZeRO stages 1-2 on the flat-buffer partition.
+"""`shard()`: data parallelism and ZeRO stages 1, 2 and 3 on the flat-buffer partition.
 
     model, opt = shard(model, stage=2)          # inside a torchrun worker
     for x, y in batches:                        # the ordinary loop, unchanged
@@ -6,9 +6,10 @@
     weights = full_state_dict(model)            # same dict on every rank
 
 What each stage shards and when it communicates is told in its own module, top to bottom:
-`ddp.py` (stage 0), `zero1.py`, `zero2.py`. The shared mechanics live in
-`zero_lab/partition.py` (the flat buffers), `gradient_sync.py` (hooks and the end-of-backward
-callback) and `sharded_optimizer.py` (the optimizer wrapper, clipping, mixed precision).
+`ddp.py` (stage 0), `zero1.py`, `zero2.py`, `zero3.py` (with `units.py`). The shared
+mechanics live in `zero_lab/partition.py` (the flat buffers), `gradient_sync.py` (hooks and
+the end-of-backward callback) and `sharded_optimizer.py` (the optimizer wrapper, clipping,
+mixed precision).
 
 `shard()` changes the model in place and returns it: trainable parameters move into flat
 buffers (one per bucket of about `bucket_mb` MB, filled in reverse registration order, the
@@ -24,7 +25,7 @@ which knows the flat groups and the fp32 masters).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -61,12 +62,15 @@ def shard(
     precision: str = "fp32",
     *,
     zero1_variant: str = "reduce_scatter",
+    unit_classes: Sequence[type] | None = None,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
     stage 0: plain data parallelism (bucketed all-reduce overlapped with backward);
     1: optimizer states sharded; 2: optimizer states and gradients sharded; 3: parameters
-    too, gathered unit by unit (zero3.py; `shard_zero3` also lets you choose the units).
+    too, gathered unit by unit (zero3.py). `unit_classes` (stage 3 only), e.g. (Block,),
+    makes every module of those classes a unit, like FSDP's wrapping policy; by default each
+    child module that owns parameters and is called is one.
     `optimizer` builds a torch optimizer from a list of tensors (an element-wise one: SGD,
     Adam, AdamW, ...). `bucket_mb` sizes the flat groups (and so the collectives).
     `prefetch` matters only for stage 3. `precision`: "fp32", or "mixed" (bf16 compute, fp32
@@ -75,8 +79,11 @@ def shard(
     Needs an initialised default process group; call it on every rank.
     """
     _check_arguments(stage, bucket_mb, prefetch, precision, zero1_variant)
+    if unit_classes is not None and stage != 3:
+        raise ValueError(f"unit_classes applies to stage 3 only, not stage {stage}")
     if stage == 3:  # parameters sharded too, gathered unit by unit on demand: zero3.py
-        return shard_zero3(model, optimizer, prefetch=prefetch, precision=precision)
+        return shard_zero3(model, optimizer, prefetch=prefetch, precision=precision,
+                           unit_classes=unit_classes)
     _check_model(model)
     probe = [nn.Parameter(torch.zeros(1))]  # try the optimizer function before changing anything
     check_optimizer(optimizer(probe), probe)
