@@ -17,7 +17,8 @@ from zero_lab.grading import Case, ExerciseFailed
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
 NB01 = REPO / "notebooks" / "01_memory_accounting.ipynb"
-CHECK_CALL = re.compile(r"grading\.(check_\w+)\((\w+)\)")
+# grading.check_<name>(fn) or, for a pair of functions, grading.check_<name>(fn1, fn2)
+CHECK_CALL = re.compile(r"grading\.(check_\w+)\((\w+)(?:,\s*\w+)*\)")
 
 
 def _cells(path: Path) -> list[dict]:
