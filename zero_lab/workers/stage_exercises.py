@@ -287,32 +287,42 @@ RUNNERS = {"owned_range": run_owned_range, "sharded_step": run_sharded_step,
            "bucket_hook": run_bucket_hook}
 
 
-def _load(source_file: str) -> dict:
-    namespace = {"torch": torch, "dist": dist, "nn": nn, "math": math, "__name__": "learner"}
+def _load(source_file: str, extra: dict | None = None) -> dict:
+    namespace = {"torch": torch, "dist": dist, "nn": nn, "math": math, "__name__": "learner",
+                 **(extra or {})}
     with open(source_file, encoding="utf-8") as f:
         exec(compile(f.read(), "<your function>", "exec"), namespace)
     return namespace
 
 
-def main(argv: list[str]) -> None:
-    """stage_exercises.py SOURCE_FILE EXERCISE:FUNCTION [EXERCISE:FUNCTION ...]
+def run_exercises(argv: list[str], runners: dict, extra: dict | None = None) -> None:
+    """SOURCE_FILE EXERCISE:FUNCTION[,FUNCTION] [...]: run each in turn on every rank.
 
-    Runs each pair in turn and reports it under the key "EXERCISE:FUNCTION" as
-    {"world_size", "results" (or "cases" for owned_range)}; reported even when the
-    function raises, with the error in the record of the case that raised.
+    The learner's functions are loaded from SOURCE_FILE (with torch, dist, nn, math and
+    `extra` in scope) and `runners[EXERCISE](*functions, out)` fills a record reported under
+    the key as {"world_size", ...}; reported even when a function raises, with the error in
+    the record of the case that raised. Shared by this worker and zero3_exercises.py.
     """
     from zero_lab.launch import init_worker, report
 
     source_file, *runs = argv
-    namespace = _load(source_file)
+    namespace = _load(source_file, extra)
     info = init_worker()
     for key in runs:
-        exercise, function_name = key.split(":")
+        exercise, names = key.split(":")
         out: dict = {"world_size": info.world_size}
         try:
-            RUNNERS[exercise](namespace[function_name], out)
+            runners[exercise](*(namespace[name] for name in names.split(",")), out)
         finally:
             report({key: out})
+
+
+def main(argv: list[str]) -> None:
+    """stage_exercises.py SOURCE_FILE EXERCISE:FUNCTION [EXERCISE:FUNCTION ...]
+
+    Records hold "results" (or "cases" for owned_range).
+    """
+    run_exercises(argv, RUNNERS)
 
 
 if __name__ == "__main__":

@@ -17,7 +17,6 @@ torchrun stops every rank at once instead of leaving the others waiting in a col
 from __future__ import annotations
 
 import copy
-import math
 import sys
 import traceback
 
@@ -28,6 +27,7 @@ from torch import nn
 from zero_lab.collectives import CommLedger
 from zero_lab.partition import FlatParamGroup, allocate_storage, free_storage
 from zero_lab.stages.units import Unit
+from zero_lab.workers.stage_exercises import run_exercises
 
 
 class BareUnit:
@@ -226,33 +226,14 @@ def run_post_backward(fn, out: dict) -> None:
 RUNNERS = {"materialize_release": run_materialize_release, "post_backward": run_post_backward}
 
 
-def _load(source_file: str) -> dict:
-    namespace = {"torch": torch, "dist": dist, "nn": nn, "math": math,
-                 "free_storage": free_storage, "allocate_storage": allocate_storage,
-                 "__name__": "learner"}
-    with open(source_file, encoding="utf-8") as f:
-        exec(compile(f.read(), "<your function>", "exec"), namespace)
-    return namespace
-
-
 def main(argv: list[str]) -> None:
     """zero3_exercises.py SOURCE_FILE EXERCISE:FUNCTION[,FUNCTION] [...]
 
-    Reports each run under its key as {"world_size", "results"}; reported even when a
-    function raises, with the error in the record of the case that raised.
+    Records hold "results"; the learner's functions also see free_storage and
+    allocate_storage.
     """
-    from zero_lab.launch import init_worker, report
-
-    source_file, *runs = argv
-    namespace = _load(source_file)
-    info = init_worker()
-    for key in runs:
-        exercise, names = key.split(":")
-        out: dict = {"world_size": info.world_size}
-        try:
-            RUNNERS[exercise](*(namespace[name] for name in names.split(",")), out)
-        finally:
-            report({key: out})
+    run_exercises(argv, RUNNERS, {"free_storage": free_storage,
+                                  "allocate_storage": allocate_storage})
 
 
 if __name__ == "__main__":
