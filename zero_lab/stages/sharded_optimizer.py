@@ -56,6 +56,9 @@ def check_optimizer(optim: object, given: list[torch.Tensor]) -> None:
                          "updates); do not capture model.parameters() inside it")
 
 
+OPTIMIZER_CHUNK = 1 << 20  # elements (4 MiB of fp32) per tensor the torch optimizer sees
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
     """Wraps the torch optimizer `self.optim` that updates this rank's flat slices.
 
@@ -69,10 +72,17 @@ class ShardedOptimizer(torch.optim.Optimizer):
         # fp32 masters of exactly the elements this rank updates (mixed precision only).
         self.master_weights = ([nn.Parameter(m, requires_grad=False) for m in master_weights]
                                if master_weights is not None else None)
-        targets = self.master_weights if self.master_weights is not None else sync.step_params
-        self.optim = make_optimizer(list(targets))
-        check_optimizer(self.optim, list(targets))
-        super().__init__(list(targets), self.optim.defaults)
+        self.targets = self.master_weights if self.master_weights is not None else sync.step_params
+        # The torch optimizer sees each target in chunks (views) of at most OPTIMIZER_CHUNK
+        # elements. The update is element-wise, so the result is the same; but an optimizer
+        # stepping one huge flat tensor makes temporaries as big as it, which the C allocator
+        # hands back to the OS after every step and faults in again (measured: Adam on one
+        # 24 MiB buffer took 55-80 ms vs 36-39 ms on the same elements as 4 MiB tensors).
+        self.chunks = [list(t.split(OPTIMIZER_CHUNK)) for t in self.targets]
+        flat_chunks = [c for chunks in self.chunks for c in chunks]
+        self.optim = make_optimizer(flat_chunks)
+        check_optimizer(self.optim, flat_chunks)
+        super().__init__(flat_chunks, self.optim.defaults)
         self.param_groups = self.optim.param_groups  # one source of truth: the inner optimizer
         self.state = self.optim.state
 
@@ -88,7 +98,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # bf16 gradient slice -> fp32, applied to the fp32 master (transient copy).
             for master, p in zip(self.master_weights, self.sync.step_params, strict=True):
                 master.grad = None if p.grad is None else p.grad.float()
+        for target, chunks in zip(self.targets, self.chunks, strict=True):
+            grads = (target.grad.split(OPTIMIZER_CHUNK) if target.grad is not None
+                     else [None] * len(chunks))
+            for chunk, grad in zip(chunks, grads, strict=True):
+                chunk.grad = grad  # a view: no copy
         self.optim.step()
+        for chunks in self.chunks:
+            for chunk in chunks:
+                chunk.grad = None  # the targets' .grad stay the one source of truth
         if self.master_weights is not None:
             for master, p in zip(self.master_weights, self.sync.step_params, strict=True):
                 p.copy_(master)  # round the updated master into the bf16 parameters
