@@ -22,3 +22,11 @@ def stage_case_reports(nproc: int) -> tuple[dict, ...]:
 def select_cases(reports: tuple[dict, ...], rank: int = 0, **match) -> list[dict]:
     """The cases rank `rank` reported whose fields equal every `match` (e.g. precision="fp32")."""
     return [c for c in reports[rank]["cases"] if all(c[k] == v for k, v in match.items())]
+
+
+def assert_every_rank_ran_every_case(reports: tuple[dict, ...], nproc: int, n_cases: int) -> None:
+    """Each of the `nproc` ranks reported the same `n_cases` distinct cases, in one order."""
+    assert len(reports) == nproc
+    names = [c["name"] for c in reports[0]["cases"]]
+    assert len(names) == len(set(names)) == n_cases
+    assert all([c["name"] for c in rep["cases"]] == names for rep in reports)

@@ -17,7 +17,7 @@ from functools import cache
 
 import pytest
 import torch
-from common import select_cases
+from common import assert_every_rank_ran_every_case, select_cases
 from torch import nn
 
 from zero_lab import memory
@@ -50,10 +50,7 @@ def ranks(request) -> tuple[int, tuple[dict, ...]]:
 
 def test_every_rank_ran_every_case(ranks):
     n, reports = ranks
-    assert len(reports) == n
-    names = [c["name"] for c in reports[0]["cases"]]
-    assert len(names) == len(set(names)) == N_CASES
-    assert all([c["name"] for c in rep["cases"]] == names for rep in reports)
+    assert_every_rank_ran_every_case(reports, n, N_CASES)
 
 
 def test_fp32_training_matches_one_process_on_the_global_batch(ranks):

@@ -117,13 +117,18 @@ def digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def run_case(c: dict, rank: int, world: int) -> dict:
-    make_model, global_batch, loss_fn = MODELS[c["model"]]
-    make_opt = optimizer_function(c["optimizer"])
+def models_for_case(c: dict, rank: int, models: dict = MODELS):
+    """(model, reference, global_batch, loss_fn, make_opt) for case `c` on this rank."""
+    make_model, global_batch, loss_fn = models[c["model"]]
     torch.manual_seed(SEED + rank)  # ranks start different: shard() must broadcast rank 0's
     model = make_model()
     torch.manual_seed(SEED)  # the reference starts from rank 0's initialisation
     ref = make_model()
+    return model, ref, global_batch, loss_fn, optimizer_function(c["optimizer"])
+
+
+def run_case(c: dict, rank: int, world: int) -> dict:
+    model, ref, global_batch, loss_fn, make_opt = models_for_case(c, rank)
 
     if c["standalone"]:
         cls, kwargs = OPTIMIZERS[c["optimizer"]]
@@ -158,7 +163,7 @@ def run_case(c: dict, rank: int, world: int) -> dict:
     precision_gap = None
     if c["precision"] == "mixed":  # how far mixed precision itself moves the weights
         torch.manual_seed(SEED)
-        fp32 = make_model()
+        fp32 = MODELS[c["model"]][0]()  # a third copy from rank 0's initialisation
         fp32_opt = make_opt([p for p in fp32.parameters() if p.requires_grad])
         W.train(fp32, fp32_opt, global_batch, loss_fn, STEPS, ref_accumulation, c["clip"],
                 measure_memory=False)

@@ -19,6 +19,7 @@ from stage_cases import (
     STEPS,
     digest,
     error_message,
+    models_for_case,
     optimizer_function,
 )
 from torch import nn
@@ -116,12 +117,7 @@ def build(c: dict, model: nn.Module):
 
 
 def run_case(c: dict, rank: int, world: int) -> dict:
-    make_model, global_batch, loss_fn = MODELS[c["model"]]
-    make_opt = optimizer_function(c["optimizer"])
-    torch.manual_seed(SEED + rank)  # ranks start different: shard() must broadcast rank 0's
-    model = make_model()
-    torch.manual_seed(SEED)  # the reference starts from rank 0's initialisation
-    ref = make_model()
+    model, ref, global_batch, loss_fn, make_opt = models_for_case(c, rank, MODELS)
     model, opt = build(c, model)
     sync = model._zero_lab_sharded.sync
     if c["precision"] == "mixed":
@@ -141,7 +137,7 @@ def run_case(c: dict, rank: int, world: int) -> dict:
     precision_gap = None
     if c["precision"] == "mixed":  # how far mixed precision itself moves the weights
         torch.manual_seed(SEED)
-        fp32 = make_model()
+        fp32 = MODELS[c["model"]][0]()  # a third copy from rank 0's initialisation
         fp32_opt = make_opt([p for p in fp32.parameters() if p.requires_grad])
         W.train(fp32, fp32_opt, global_batch, loss_fn, STEPS, 1, c["clip"], measure_memory=False)
         fp32_full = full_state_dict(fp32)
