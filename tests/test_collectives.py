@@ -374,3 +374,41 @@ def test_check_ring_bytes_sent_accepts_reference_rejects_mistakes(capsys):
                          (one_phase, "all-reduce has two phases")]:
         with pytest.raises(grading.ExerciseFailed, match=expected):
             grading.check_ring_bytes_sent(fn)
+
+
+# ------------------------------------------------------------------ the direct exchange
+
+
+def test_direct_exchange_equals_torch_collectives(ranks):
+    """zero_lab.exchange (what the stages use on gloo) gives what torch's reduce_scatter_single
+    and all_gather_single give: every dtype, SUM and AVG, in place, several in flight."""
+    n, reports = ranks
+    for rep in reports:
+        direct = rep["direct"]
+        assert direct["mismatches"] == []
+        # every case ran: reduce-scatter (3 float dtypes x 4 sizes x SUM/AVG, int64 x 4 sizes
+        # x SUM), all-gather (4 dtypes x 4 sizes), 3 reduce-scatters + 1 all-gather in flight
+        assert direct["checked"] == 3 * 4 * 2 + 4 + 4 * 4 + 3 + 1
+
+
+def test_direct_exchange_rejects_what_it_cannot_do(ranks):
+    n, reports = ranks
+    errors = reports[0]["direct"]["errors"]
+    assert errors == {
+        "op": "the direct reduce-scatter supports SUM and AVG, got RedOpType.MAX",
+        "size": f"input must have world_size x 3 = {3 * n} elements, got {3 * n + 1}",
+        "dtype": "dtypes differ: torch.float32 and torch.float64",
+        "strided": "the direct exchange needs contiguous tensors",
+    }
+
+
+def test_ledger_records_a_direct_exchange_as_the_collective_it_implements(ranks):
+    """Not as its 2(N-1) sends and receives: same bytes sent per rank as the ring."""
+    n, reports = ranks
+    rs, ag, rs_backward, ar = reports[0]["direct"]["records"]
+    _check(rs, "reduce_scatter", 4 * n, "float32", 4, n)
+    _check(ag, "all_gather", 5 * n, "float64", 8, n, async_op=True)
+    _check(rs_backward, "reduce_scatter", 2 * n * 3, "float32", 4, n, in_backward=True)
+    _check(ar, "all_reduce", 2, "float32", 4, n)
+    assert rs["sent_bytes"] == (n - 1) * 4 * 4
+    assert rs["torch_op"] == ag["torch_op"] == "zero_lab.exchange"

@@ -137,6 +137,17 @@ def test_buckets_respect_the_size_and_keep_order():
         bucket_parameters(params, 0, 4)
 
 
+def test_first_bucket_fills_until_it_holds_first_bucket_bytes():
+    """DDP's rule: the first bucket (the last layer, in backward order) takes parameters until
+    it holds at least `first_bucket_bytes`, so a bias does not go out alone."""
+    params = [(f"p{i}", nn.Parameter(torch.zeros(n))) for i, n in enumerate([1, 4, 4, 4, 9])]
+    buckets = bucket_parameters(params, bucket_bytes=40, element_size=4, first_bucket_bytes=8)
+    assert [[n for n, _ in b] for b in buckets] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
+    # never more than bucket_bytes for the first bucket either
+    buckets = bucket_parameters(params, bucket_bytes=4, element_size=4, first_bucket_bytes=8)
+    assert [[n for n, _ in b] for b in buckets] == [["p0"], ["p1"], ["p2"], ["p3"], ["p4"]]
+
+
 # ------------------------------------------------------------------ on real ranks
 
 

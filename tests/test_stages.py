@@ -5,7 +5,8 @@ tests/workers/stage_cases.py (see tests/common.py), which trains 20 configuratio
 steps each: stages 0, 1, 2, stage 1's all-reduce variant and the standalone
 ZeroRedundancyOptimizer; odd-sized MLPs with and without biases, a nested model (LayerNorm,
 a 0-d parameter, a frozen layer, a layer used twice), a small GPT with a tied head; Adam,
-AdamW, SGD with momentum; gradient accumulation, clipping, tiny buckets, mixed precision.
+AdamW, SGD with momentum; gradient accumulation, clipping, tiny buckets, mixed precision;
+on gloo the direct exchange (zero_lab.exchange) and, for three cases, torch's collectives.
 Ranks initialise differently, so every case also checks that shard() starts them from
 rank 0's weights.
 """
@@ -27,7 +28,7 @@ from zero_lab.stages import shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 
 FP32_ATOL = 1e-6  # fp32 weights of size ~0.1-1 after 10 steps; measured worst 1.2e-7
-N_CASES = 20
+N_CASES = 23
 
 
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"N={n}")
@@ -52,6 +53,16 @@ def test_fp32_training_matches_one_process_on_the_global_batch(ranks):
         assert c["keys_match"], c["name"]
         assert c["ref_moved"] > 1e-2, f"{c['name']}: the reference barely trained"
         assert c["max_abs_diff"] <= FP32_ATOL, (c["name"], c["worst_key"], c["max_abs_diff"])
+
+
+def test_groups_send_by_direct_exchange_on_gloo_unless_told_otherwise(ranks):
+    """On gloo, `transport="auto"` picks zero_lab.exchange; `partition.TRANSPORT = "torch"`
+    (three cases) keeps torch's collectives, which train to the same result."""
+    n, reports = ranks
+    transports = {c["transport"] for c in reports[0]["cases"]}
+    assert transports == {"auto", "torch"}
+    for c in reports[0]["cases"]:
+        assert c["direct"] and set(c["direct"]) == {c["transport"] == "auto"}, c["name"]
 
 
 def test_full_state_dict_is_identical_on_every_rank(ranks):
@@ -89,7 +100,7 @@ def test_mixed_precision_matches_its_single_process_reference(ranks):
     (fp32 reference vs mixed reference)."""
     n, reports = ranks
     mixed = select_cases(reports, precision="mixed")
-    assert len(mixed) == 4
+    assert len(mixed) == 5
     for c in mixed:
         assert c["keys_match"], c["name"]
         if n == 1:

@@ -23,6 +23,12 @@ stage 1 <= 1.1 x ZeroRedundancyOptimizer, stage 2 <= 1.15 x DDP; (issue 6) stage
 torch's FSDP2 and <= 1.6 x DDP (it sends 1.5 x DDP's bytes). The gain from stage 3's
 prefetch is reported as the ratio stage 3 without prefetch / with prefetch.
 
+On gloo the stages send their reduce-scatters and all-gathers as a direct exchange of
+point-to-point messages (`zero_lab.exchange`), because torch 2.13's gloo reduce-scatter is an
+all-reduce of a copy. `stage1_torch` ... `stage3_torch` run the same stages through torch's
+collectives, so the table shows what that choice buys ("transport_gain"); torch's DDP,
+ZeroRedundancyOptimizer and FSDP2 always use torch's collectives.
+
 To add a system, write a builder and list it in SYSTEMS.
 """
 
@@ -124,13 +130,19 @@ def build_zero_redundancy(model, config: BenchConfig, device) -> Trainer:
 
 
 def build_zero_lab(model, config: BenchConfig, device, stage: int,
-                   prefetch: bool = True) -> Trainer:
+                   prefetch: bool = True, transport: str = "auto") -> Trainer:
     """zero_lab's `shard(model, stage)`: flat buffers, buckets of `bucket_mb` (stage 3: one
-    flat buffer per unit, each Linear here; `prefetch` gathers the next unit ahead)."""
+    flat buffer per unit, each Linear here; `prefetch` gathers the next unit ahead).
+    `transport="torch"` sends through torch's collectives even on gloo (`partition.TRANSPORT`)."""
+    from zero_lab import partition
     from zero_lab.stages import full_state_dict, shard
 
-    model, opt = shard(model, stage, optimizer=lambda params: _adam(params, config),
-                       bucket_mb=config.bucket_mb, prefetch=prefetch)
+    partition.TRANSPORT = transport  # read when shard() builds the flat groups
+    try:
+        model, opt = shard(model, stage, optimizer=lambda params: _adam(params, config),
+                           bucket_mb=config.bucket_mb, prefetch=prefetch)
+    finally:
+        partition.TRANSPORT = "auto"
     return Trainer(model, opt, lambda: full_state_dict(model))
 
 
@@ -163,6 +175,11 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
     System("stage3_noprefetch", "zero_lab stage 3, no prefetch",
            partial(build_zero_lab, stage=3, prefetch=False), "zero_lab st. 3\nno prefetch"),
     System("fsdp2", "torch FSDP2 (fully_shard)", build_fsdp2, "torch\nFSDP2"),
+    # The same stages sending through torch's collectives (on gloo: its reduce-scatter is an
+    # all-reduce in disguise; see zero_lab.exchange): what the direct exchange buys.
+    *[System(f"stage{s}_torch", f"zero_lab stage {s}, torch's collectives",
+             partial(build_zero_lab, stage=s, transport="torch"),
+             f"zero_lab st. {s}\ntorch coll.") for s in (1, 2, 3)],
 ]}
 
 # (system, baseline, largest allowed ratio of best-round step times)
@@ -223,10 +240,18 @@ def summarize(ranks: list[dict], config: BenchConfig) -> dict:
         "systems": systems,
         "targets": targets,
         # what prefetch buys stage 3: time without / time with (> 1: prefetch helps)
-        "prefetch_gain": (systems["stage3_noprefetch"]["best_round_ms"]
-                          / systems["stage3"]["best_round_ms"]
-                          if {"stage3", "stage3_noprefetch"} <= set(systems) else None),
+        "prefetch_gain": _gain(systems, "stage3_noprefetch", "stage3"),
+        # what the direct exchange buys each stage: with torch's collectives / default
+        "transport_gain": {f"stage{s}": _gain(systems, f"stage{s}_torch", f"stage{s}")
+                           for s in (1, 2, 3) if _gain(systems, f"stage{s}_torch", f"stage{s}")},
     }
+
+
+def _gain(systems: dict, slower: str, faster: str) -> float | None:
+    """Best-round time of `slower` / that of `faster`, when both ran."""
+    if slower in systems and faster in systems:
+        return systems[slower]["best_round_ms"] / systems[faster]["best_round_ms"]
+    return None
 
 
 def _mb(nbytes: float) -> str:
@@ -271,6 +296,9 @@ def markdown_table(result: dict) -> str:
     if result.get("prefetch_gain"):
         lines += ["", f"Stage 3's prefetch: best round without / with = "
                       f"{result['prefetch_gain']:.3f}."]
+    for stage, gain in (result.get("transport_gain") or {}).items():
+        lines += ["", f"Direct exchange, {stage}: best round with torch's collectives / with "
+                      f"the direct exchange = {gain:.3f}."]
     lines += ["", "| target | ratio of best rounds | limit | met |", "| --- | ---: | ---: | --- |"]
     for t in result["targets"]:
         lines.append(f"| {t['system']} / {t['baseline']} | {t['ratio']:.3f} | {t['limit']} | "
@@ -353,6 +381,8 @@ def format_targets(result: dict) -> str:
     if result.get("prefetch_gain"):
         lines.append(f"  stage 3 prefetch gain (no prefetch / prefetch): "
                      f"{result['prefetch_gain']:.3f}")
+    for stage, gain in (result.get("transport_gain") or {}).items():
+        lines.append(f"  {stage} direct-exchange gain (torch's collectives / direct): {gain:.3f}")
     return "\n".join(lines)
 
 

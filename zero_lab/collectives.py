@@ -25,7 +25,8 @@ from __future__ import annotations
 
 import math
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 import torch
@@ -304,11 +305,24 @@ class CommLedger(TorchDispatchMode):
     Python thread you start yourself (dispatch modes are per thread).
     Every torch op in the block passes through this mode, which costs a few microseconds
     each: fine for a training step, not for a timing loop.
+
+    A collective that zero_lab implements itself out of point-to-point messages
+    (`zero_lab.exchange`, used on gloo) is recorded once, as that collective (see
+    `recorded_as`), not as its messages.
     """
 
     def __init__(self) -> None:
         super().__init__()
         self.records: list[CommRecord] = []
+        self._muted = 0  # > 0 inside `recorded_as`: the messages are already accounted for
+
+    def __enter__(self) -> CommLedger:
+        _ACTIVE_LEDGERS.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc) -> None:
+        _ACTIVE_LEDGERS.remove(self)
+        return super().__exit__(*exc)
 
     @classmethod
     def _should_skip_dynamo(cls) -> bool:
@@ -320,7 +334,7 @@ class CommLedger(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func.namespace in ("c10d", "_c10d_functional"):
+        if func.namespace in ("c10d", "_c10d_functional") and not self._muted:
             self.records.extend(_describe(func, args, kwargs))
         return func(*args, **kwargs)
 
@@ -475,6 +489,29 @@ def _record(op, tensors, world_size, async_op, in_backward, torch_op, times=1) -
                       sent_bytes=ring_bytes_sent(op, nbytes, world_size),
                       volume=zero_volume(op, nbytes), async_op=async_op,
                       in_backward=in_backward, torch_op=torch_op)
+
+
+_ACTIVE_LEDGERS: list[CommLedger] = []  # the ledgers whose `with` block is running
+
+
+@contextmanager
+def recorded_as(op: str, tensor: torch.Tensor, group_size: int,
+                async_op: bool = False) -> Iterator[None]:
+    """Inside the block, active ledgers record one `op` on `tensor` (the full message in
+    nccl-tests' sense, as in `CommRecord`) and ignore the point-to-point messages that
+    implement it: `zero_lab.exchange` sends a reduce-scatter as 2(N-1) isend/irecv, which
+    should read as the reduce-scatter it is, with the same bytes sent per rank."""
+    in_backward = torch._C._current_graph_task_id() != -1
+    ledgers = list(_ACTIVE_LEDGERS)
+    for ledger in ledgers:
+        ledger.records.append(_record(op, [tensor], group_size, async_op, in_backward,
+                                      "zero_lab.exchange"))
+        ledger._muted += 1
+    try:
+        yield
+    finally:
+        for ledger in ledgers:
+            ledger._muted -= 1
 
 
 # =========================================================================== alpha-beta model

@@ -13,7 +13,9 @@ exactly S elements whatever the parameter sizes, and a parameter may straddle tw
 
 One buffer layout serves every state of the group: the parameters, a full gradient buffer
 (`new_full()`), a gradient or fp32 master slice (`new_shard()`). The two collectives ZeRO
-needs work on whole buffers, one call per group:
+needs work on whole buffers, one call per group (on gloo sent as a direct exchange of
+point-to-point messages, `zero_lab.exchange`, because torch's gloo reduce-scatter is a
+disguised all-reduce):
 
     reduce_scatter(shard_out, full_in)   full gradients -> the averaged slice this rank owns
     all_gather(full_out, shard_in)       every rank's slice -> the full buffer on every rank
@@ -28,7 +30,7 @@ How the stages use it (`make_flat_groups` builds one group per bucket or unit):
     stage 0  params full in group.flat; a full gradient buffer; all_reduce it
     stage 1  params full; a full gradient buffer, reduce-scattered into its owned slice;
              the optimizer updates group.shard(group.flat), then
-             group.all_gather(group.flat, owned_copy)
+             group.all_gather(group.flat, group.shard(group.flat))  (in place)
     stage 2  as stage 1, but a bucket's full gradient lives only until it is sent
     stage 3  only the slice lives between uses:
                  local = group.shard(group.flat).clone(); free_storage(group.flat)
@@ -46,6 +48,15 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+
+from zero_lab import exchange
+from zero_lab.exchange import Exchange
+
+# How groups built from now on send their collectives: "auto" (a direct exchange of
+# point-to-point messages on gloo, torch's collectives elsewhere: see `zero_lab.exchange`),
+# "torch" or "direct". Set it before `shard()` to compare (tests and `make bench` do).
+TRANSPORTS = ("auto", "torch", "direct")
+TRANSPORT = "auto"
 
 
 @dataclass(frozen=True)
@@ -113,6 +124,9 @@ class FlatParamGroup:
         self.padding = self.padded_numel - self.numel
         self.shard_start, self.shard_end = self.shard_range(rank)
         self.flat: torch.Tensor | None = None  # the buffer the parameters view, once bound
+        if TRANSPORT not in TRANSPORTS:
+            raise ValueError(f"partition.TRANSPORT must be one of {TRANSPORTS}, got {TRANSPORT!r}")
+        self.transport = TRANSPORT  # how this group's collectives are sent (see `direct`)
 
     # ------------------------------------------------------------------ layout
     def shard_range(self, rank: int) -> tuple[int, int]:
@@ -176,20 +190,40 @@ class FlatParamGroup:
         self.dtype = flat.dtype  # new buffers (gradients, slices) follow the parameters
 
     # ------------------------------------------------------------------ collectives
-    def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
-                   async_op: bool = False) -> dist.Work | None:
-        """Every rank's slice -> the full buffer on every rank: one all_gather_single.
+    @property
+    def direct(self) -> bool:
+        """Does this group send its collectives as a direct exchange (`zero_lab.exchange`)?
 
-        `shard_in` must not be a view of `full_out` (copy the owned slice first).
+        With `transport="auto"`: on gloo (CPU) yes, because torch's gloo reduce-scatter is a
+        disguised all-reduce (see that module); elsewhere torch's own collectives.
         """
+        if self.transport == "auto":
+            backend = str(dist.get_backend(self.process_group))
+            return "gloo" in backend and self.device.type == "cpu"
+        return self.transport == "direct"
+
+    def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
+                   async_op: bool = False) -> dist.Work | Exchange | None:
+        """Every rank's slice -> the full buffer on every rank: one all-gather.
+
+        `shard_in` may be this rank's own slice of `full_out` (in place).
+        """
+        if self.direct:
+            return exchange.all_gather(full_out, shard_in, group=self.process_group,
+                                       async_op=async_op)
+        if shard_in.data_ptr() == self.shard(full_out).data_ptr():
+            shard_in = shard_in.clone()  # torch's all-gather wants an input apart from the output
         return dist.all_gather_single(full_out, shard_in, group=self.process_group,
                                       async_op=async_op)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
-                       async_op: bool = False) -> dist.Work | None:
+                       async_op: bool = False) -> dist.Work | Exchange | None:
         """Full buffers on every rank -> this rank's slice of their reduction (average by
-        default): one reduce_scatter_single. `shard_out` must not be a view of `full_in`."""
+        default): one reduce-scatter. `shard_out` must not be a view of `full_in`."""
+        if self.direct:
+            return exchange.reduce_scatter(shard_out, full_in, op=op, group=self.process_group,
+                                           async_op=async_op)
         return dist.reduce_scatter_single(shard_out, full_in, op=op, group=self.process_group,
                                           async_op=async_op)
 
@@ -234,9 +268,10 @@ def bucket_parameters(
 
     A parameter larger than a bucket gets a bucket of its own. Pass the parameters in
     reverse registration order so buckets fill in roughly the order backward produces
-    gradients (the last layer's first), as torch's DDP does. `first_bucket_bytes` caps the
-    first bucket separately (DDP uses 1 MiB): a small first bucket is ready early in
-    backward, so its collective starts while most of backward is still to run.
+    gradients (the last layer's first), as torch's DDP does. `first_bucket_bytes` sizes the
+    first bucket separately, by DDP's rule (1 MiB there): it takes parameters until it holds
+    at least that much, so it is ready early in backward (the last layer's bias *and*
+    weight, not the bias alone) and its collective runs while most of backward is to come.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
@@ -244,10 +279,11 @@ def bucket_parameters(
     size = 0
     for name, p in named_params:
         nbytes = p.numel() * element_size
-        cap = bucket_bytes
         if len(buckets) == 1 and first_bucket_bytes:
-            cap = min(first_bucket_bytes, bucket_bytes)
-        if buckets and size + nbytes <= cap:
+            fits = size < min(first_bucket_bytes, bucket_bytes)  # until it is full enough
+        else:
+            fits = bool(buckets) and size + nbytes <= bucket_bytes
+        if fits:
             buckets[-1].append((name, p))
             size += nbytes
         else:

@@ -204,7 +204,7 @@ def bench_figure(result: dict):
     systems = result["systems"]
     labels = [s.get("short") or s["label"] for s in systems.values()]
     x = range(len(systems))
-    fig, (ax_t, ax_m, ax_c) = plt.subplots(1, 3, figsize=(15, 4.2))
+    fig, (ax_t, ax_m, ax_c) = plt.subplots(1, 3, figsize=(max(15.0, 1.7 * len(systems)), 4.2))
 
     best = [s["best_round_ms"] for s in systems.values()]
     ax_t.bar(x, best, color="#BBBBBB", label="best round (median of its steps)")

@@ -196,3 +196,73 @@ with CommLedger() as outer:
 blocks["nested_outer"] = outer.as_dicts()
 blocks["nested_inner"] = inner.as_dicts()
 report({"blocks": blocks})
+
+
+# ---------------------------------------------------------------- the direct exchange == torch's
+from zero_lab import exchange  # noqa: E402
+
+direct_mismatches, direct_checked = [], 0
+for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):
+    ops = [dist.ReduceOp.SUM] + ([dist.ReduceOp.AVG] if dtype.is_floating_point else [])
+    for k in (1, 3, 7, 100):
+        for op in ops:
+            x = rand((n * k,), dtype)
+            before = x.clone()
+            mine, ref = torch.empty(k, dtype=dtype), torch.empty(k, dtype=dtype)
+            exchange.reduce_scatter(mine, x, op=op)
+            dist.reduce_scatter_single(ref, x, op=op)
+            direct_checked += 1
+            tol = {"rtol": 1e-2, "atol": 1e-2} if dtype == torch.bfloat16 else {}
+            close = (torch.allclose(mine.double(), ref.double(), **tol) if tol else same(mine, ref))
+            if not close or not torch.equal(x, before):
+                direct_mismatches.append(f"reduce_scatter k={k} {dtype} {op}")
+        part = rand((k,), dtype)
+        mine, ref = torch.empty(n * k, dtype=dtype), torch.empty(n * k, dtype=dtype)
+        exchange.all_gather(mine, part)
+        dist.all_gather_single(ref, part)
+        in_place = torch.empty(n * k, dtype=dtype)
+        in_place[rank * k:(rank + 1) * k] = part
+        exchange.all_gather(in_place, in_place[rank * k:(rank + 1) * k])  # input = own chunk
+        direct_checked += 1
+        if not (torch.equal(mine, ref) and torch.equal(in_place, ref)):
+            direct_mismatches.append(f"all_gather k={k} {dtype}")
+# Several exchanges in flight at once (stage 2 keeps two), waited in order and out of order.
+xs = [rand((n * 50,), torch.float32) for _ in range(3)]
+outs = [torch.empty(50) for _ in xs]
+works = [exchange.reduce_scatter(o, x, async_op=True) for o, x in zip(outs, xs, strict=True)]
+gathered = torch.empty(n * 50)
+ag_work = exchange.all_gather(gathered, outs[0].new_full((50,), float(rank)), async_op=True)
+for w in (works[2], works[0], ag_work, works[1]):
+    w.wait()
+for o, x in zip(outs, xs, strict=True):
+    ref = torch.empty(50)
+    dist.reduce_scatter_single(ref, x)
+    direct_checked += 1
+    if not same(o, ref):
+        direct_mismatches.append("reduce_scatter in flight together")
+direct_checked += 1
+if not torch.equal(gathered, torch.arange(n).float().repeat_interleave(50)):
+    direct_mismatches.append("all_gather in flight together")
+direct_errors = {}
+for key, call in {
+    "op": lambda: exchange.reduce_scatter(torch.empty(2), torch.empty(2 * n), op=dist.ReduceOp.MAX),
+    "size": lambda: exchange.reduce_scatter(torch.empty(3), torch.empty(3 * n + 1)),
+    "dtype": lambda: exchange.all_gather(torch.empty(2 * n), torch.empty(2, dtype=torch.float64)),
+    "strided": lambda: exchange.all_gather(torch.empty(2 * n, 2).t(), torch.empty(2, 2)),
+}.items():
+    try:
+        call()
+    except ValueError as exc:
+        direct_errors[key] = str(exc)
+# What a ledger sees: one record per exchange, as the collective it implements.
+model = torch.nn.Linear(3, n * 2, bias=False)
+with CommLedger() as ledger:
+    exchange.reduce_scatter(torch.empty(4), torch.ones(4 * n))
+    exchange.all_gather(torch.empty(5 * n, dtype=torch.float64), torch.ones(5, dtype=torch.float64),
+                        async_op=True).wait()
+    model.weight.register_post_accumulate_grad_hook(
+        lambda p: exchange.reduce_scatter(torch.empty(6), p.grad.view(-1)))
+    model(torch.ones(1, 3)).sum().backward()
+    dist.all_reduce(torch.ones(2))  # the ledger records again after an exchange
+report({"direct": {"checked": direct_checked, "mismatches": direct_mismatches,
+                   "errors": direct_errors, "records": ledger.as_dicts()}})

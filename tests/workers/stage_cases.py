@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero_lab import partition
 from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
@@ -80,7 +81,8 @@ def optimizer_function(name: str):
 
 
 def case(model, optimizer, stage, accumulation=1, clip=None, bucket_mb=25.0,
-         precision="fp32", variant="reduce_scatter", standalone=False) -> dict:
+         precision="fp32", variant="reduce_scatter", standalone=False,
+         transport="auto") -> dict:
     name = f"{model}-{optimizer}-stage{stage}"
     if variant != "reduce_scatter":
         name += f"-{variant}"
@@ -89,9 +91,10 @@ def case(model, optimizer, stage, accumulation=1, clip=None, bucket_mb=25.0,
     name += f"-acc{accumulation}" + (f"-clip{clip}" if clip else "")
     name += "-tinybucket" if bucket_mb < 1 else ""
     name += f"-{precision}" if precision != "fp32" else ""
+    name += f"-{transport}" if transport != "auto" else ""
     return dict(name=name, model=model, optimizer=optimizer, stage=stage,
                 accumulation=accumulation, clip=clip, bucket_mb=bucket_mb, precision=precision,
-                variant=variant, standalone=standalone)
+                variant=variant, standalone=standalone, transport=transport)
 
 
 CASES = [c for s in (0, 1, 2) for c in (
@@ -106,7 +109,10 @@ CASES = [c for s in (0, 1, 2) for c in (
     case("nested", "sgd_momentum", 1, variant="all_reduce", accumulation=2, clip=0.05),
     case("mlp_odd", "adam", 1, standalone=True),
     case("mlp_odd", "adamw", 1, standalone=True, bucket_mb=TINY_BUCKET_MB),
-]
+] + [  # torch's collectives instead of the direct exchange gloo gets by default
+    case("gpt", "adam", s, accumulation=2, clip=0.5, bucket_mb=TINY_BUCKET_MB, transport="torch")
+    for s in (1, 2)
+] + [case("mlp_odd", "adam", 2, precision="mixed", bucket_mb=TINY_BUCKET_MB, transport="torch")]
 
 
 def digest(state: dict[str, torch.Tensor]) -> str:
@@ -130,12 +136,14 @@ def models_for_case(c: dict, rank: int, models: dict = MODELS):
 def run_case(c: dict, rank: int, world: int) -> dict:
     model, ref, global_batch, loss_fn, make_opt = models_for_case(c, rank)
 
+    partition.TRANSPORT = c["transport"]  # read when the flat groups are built
     if c["standalone"]:
         cls, kwargs = OPTIMIZERS[c["optimizer"]]
         opt = ZeroRedundancyOptimizer(model.parameters(), cls, bucket_mb=c["bucket_mb"], **kwargs)
     else:
         model, opt = shard(model, c["stage"], make_opt, bucket_mb=c["bucket_mb"],
                            precision=c["precision"], zero1_variant=c["variant"])
+    partition.TRANSPORT = "auto"
     if c["precision"] == "mixed":
         ref, ref_opt = mixed_precision_reference(ref, make_opt)
     else:
@@ -175,7 +183,8 @@ def run_case(c: dict, rank: int, world: int) -> dict:
     out = {
         "name": c["name"], "stage": c["stage"], "precision": c["precision"],
         "optimizer": c["optimizer"], "variant": c["variant"], "standalone": c["standalone"],
-        "clip": c["clip"], "model": c["model"],
+        "clip": c["clip"], "model": c["model"], "transport": c["transport"],
+        "direct": [g.direct for g in opt.sync.groups],
         "keys_match": sorted(full) == sorted(ref.state_dict()),
         "max_abs_diff": max(diffs.values()), "worst_key": max(diffs, key=diffs.get),
         "max_abs_weight": scale, "ref_moved": moved, "precision_gap": precision_gap,

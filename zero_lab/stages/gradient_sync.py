@@ -161,8 +161,7 @@ class GradientSync:
         """Stages 1 and 2, after the optimizer step: every rank's updated slice -> the full
         parameters everywhere, one all_gather_single per group (not N broadcasts)."""
         for group in self.groups:
-            owned = group.shard(group.flat).clone()  # the input must not alias the output
-            group.all_gather(group.flat, owned)
+            group.all_gather(group.flat, group.shard(group.flat))  # in place
 
     # ------------------------------------------------------------------ what stages define
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
