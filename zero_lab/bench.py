@@ -166,7 +166,7 @@ def build_fsdp2(model, config: BenchConfig, device) -> Trainer:
 SYSTEMS: dict[str, System] = {s.name: s for s in [
     System("ddp", "torch DDP", build_ddp, "torch\nDDP"),
     System("zero_redundancy", "torch ZeroRedundancyOptimizer + DDP", build_zero_redundancy,
-           "torch ZeRO-\nRedundancyOpt."),
+           "torch\nZeroRedundancyOpt."),
     System("stage0", "zero_lab stage 0", partial(build_zero_lab, stage=0), "zero_lab\nstage 0"),
     System("stage1", "zero_lab stage 1", partial(build_zero_lab, stage=1), "zero_lab\nstage 1"),
     System("stage2", "zero_lab stage 2", partial(build_zero_lab, stage=2), "zero_lab\nstage 2"),

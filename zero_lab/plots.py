@@ -204,18 +204,18 @@ def bench_figure(result: dict):
     systems = result["systems"]
     labels = [s.get("short") or s["label"] for s in systems.values()]
     x = range(len(systems))
-    fig, (ax_t, ax_m, ax_c) = plt.subplots(1, 3, figsize=(max(15.0, 1.7 * len(systems)), 4.2))
+    fig, (ax_t, ax_m, ax_c) = plt.subplots(1, 3, figsize=(max(15.0, 1.5 * len(systems)), 5.2))
 
     best = [s["best_round_ms"] for s in systems.values()]
     ax_t.bar(x, best, color="#BBBBBB", label="best round (median of its steps)")
     for i, s in enumerate(systems.values()):
         ax_t.plot([i] * len(s["round_medians_ms"]), s["round_medians_ms"], "o", color="black",
                   markersize=3, label="each round" if i == 0 else None)
-        ax_t.annotate(f"{best[i]:.0f}", (i, best[i]), ha="center", va="bottom", fontsize=8,
-                      xytext=(0, 2), textcoords="offset points")
+        ax_t.annotate(f"{best[i]:.0f}", (i, 0), ha="center", va="bottom", fontsize=8,
+                      xytext=(0, 3), textcoords="offset points")  # inside, clear of the dots
     ax_t.set_ylabel("ms per step (slowest rank)")
     ax_t.set_title("step time", fontsize=10)
-    ax_t.legend(fontsize=7.5, loc="lower right")
+    ax_t.legend(fontsize=7.5, loc="best")
 
     rows = [{"label": label, "stage": None, **s["held_bytes"][0]}
             for label, s in zip(labels, systems.values(), strict=True)]
@@ -234,8 +234,10 @@ def bench_figure(result: dict):
     ax_c.set_ylabel("MiB sent by rank 0 per step (ring)")
     ax_c.set_title("communication per step", fontsize=10)
     ax_c.legend(fontsize=7.5)
+    one_line = [label.replace("\n", " ") for label in labels]
     for ax in (ax_t, ax_m, ax_c):
-        ax.set_xticks(list(x), labels, fontsize=7.5)
+        ax.set_xticks(list(x), one_line, fontsize=7.5, rotation=40, ha="right",
+                      rotation_mode="anchor")
     cfg = result["config"]
     fig.suptitle(f"{cfg['depth']} x Linear({cfg['width']}) + ReLU, Adam, {cfg['batch']} rows "
                  f"per rank, N = {result['world_size']} ({result['backend']}, "
