@@ -30,3 +30,17 @@ def assert_every_rank_ran_every_case(reports: tuple[dict, ...], nproc: int, n_ca
     names = [c["name"] for c in reports[0]["cases"]]
     assert len(names) == len(set(names)) == n_cases
     assert all([c["name"] for c in rep["cases"]] == names for rep in reports)
+
+
+def assert_losses_match_the_global_batch(reports: tuple[dict, ...], skip=lambda c: False) -> None:
+    """Per case, the ranks' losses averaged = the one-process loss on the global batch
+    (bf16 keeps 8 significant bits: a looser tolerance in mixed precision)."""
+    import torch
+
+    for i, c in enumerate(reports[0]["cases"]):
+        if skip(c):
+            continue
+        mean = torch.tensor([rep["cases"][i]["losses"] for rep in reports]).mean(0)
+        rtol = 1e-5 if c["precision"] == "fp32" else 3e-2
+        torch.testing.assert_close(mean, torch.tensor(c["ref_losses"]), rtol=rtol, atol=0,
+                                   msg=c["name"])

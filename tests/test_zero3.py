@@ -17,7 +17,11 @@ from functools import cache
 
 import pytest
 import torch
-from common import assert_every_rank_ran_every_case, select_cases
+from common import (
+    assert_every_rank_ran_every_case,
+    assert_losses_match_the_global_batch,
+    select_cases,
+)
 from torch import nn
 
 from zero_lab import memory
@@ -81,13 +85,7 @@ def test_full_state_dict_is_identical_on_every_rank(ranks):
 
 def test_losses_averaged_over_ranks_match_the_global_batch_loss(ranks):
     n, reports = ranks
-    for i, c in enumerate(reports[0]["cases"]):
-        if c["blog_bug"]:
-            continue
-        mean = torch.tensor([rep["cases"][i]["losses"] for rep in reports]).mean(0)
-        rtol = 1e-5 if c["precision"] == "fp32" else 3e-2  # bf16 keeps 8 significant bits
-        torch.testing.assert_close(mean, torch.tensor(c["ref_losses"]), rtol=rtol, atol=0,
-                                   msg=c["name"])
+    assert_losses_match_the_global_batch(reports, skip=lambda c: c["blog_bug"])
 
 
 def test_clip_grad_norm_returns_the_global_norm(ranks):

@@ -133,6 +133,18 @@ def models_for_case(c: dict, rank: int, models: dict = MODELS):
     return model, ref, global_batch, loss_fn, optimizer_function(c["optimizer"])
 
 
+def reference_optimizer(c: dict, ref: nn.Module, make_opt):
+    """(reference model, its optimizer): plain fp32, or the single-process mixed recipe."""
+    if c["precision"] == "mixed":
+        return mixed_precision_reference(ref, make_opt)
+    return ref, make_opt([p for p in ref.parameters() if p.requires_grad])
+
+
+def local_batches(global_batch, rank: int, world: int):
+    """step -> this rank's rows of global batch `step`."""
+    return lambda step: W.rank_slice(global_batch(step), rank, world)
+
+
 def run_case(c: dict, rank: int, world: int) -> dict:
     model, ref, global_batch, loss_fn, make_opt = models_for_case(c, rank)
 
@@ -144,13 +156,8 @@ def run_case(c: dict, rank: int, world: int) -> dict:
         model, opt = shard(model, c["stage"], make_opt, bucket_mb=c["bucket_mb"],
                            precision=c["precision"], zero1_variant=c["variant"])
     partition.TRANSPORT = "auto"
-    if c["precision"] == "mixed":
-        ref, ref_opt = mixed_precision_reference(ref, make_opt)
-    else:
-        ref_opt = make_opt([p for p in ref.parameters() if p.requires_grad])
-
-    def local(step):
-        return W.rank_slice(global_batch(step), rank, world)
+    ref, ref_opt = reference_optimizer(c, ref, make_opt)
+    local = local_batches(global_batch, rank, world)
 
     def ref_state():
         return (ref_opt.full_state_dict(ref) if c["precision"] == "mixed"

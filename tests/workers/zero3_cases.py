@@ -19,8 +19,10 @@ from stage_cases import (
     STEPS,
     digest,
     error_message,
+    local_batches,
     models_for_case,
     optimizer_function,
+    reference_optimizer,
 )
 from torch import nn
 from torch.utils.checkpoint import checkpoint
@@ -29,7 +31,6 @@ from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
-from zero_lab.stages.mixed_precision import mixed_precision_reference
 from zero_lab.stages.zero3 import Zero3, shard_zero3
 from zero_lab.workers.zero3_lifecycle import activation_bytes, measure_step
 
@@ -120,13 +121,8 @@ def run_case(c: dict, rank: int, world: int) -> dict:
     model, ref, global_batch, loss_fn, make_opt = models_for_case(c, rank, MODELS)
     model, opt = build(c, model)
     sync = model._zero_lab_sharded.sync
-    if c["precision"] == "mixed":
-        ref, ref_opt = mixed_precision_reference(ref, make_opt)
-    else:
-        ref_opt = make_opt([p for p in ref.parameters() if p.requires_grad])
-
-    def local(step):
-        return W.rank_slice(global_batch(step), rank, world)
+    ref, ref_opt = reference_optimizer(c, ref, make_opt)
+    local = local_batches(global_batch, rank, world)
 
     res = W.train(model, opt, local, loss_fn, STEPS, c["accumulation"], c["clip"])
     ref_res = W.train(ref, ref_opt, global_batch, loss_fn, STEPS, 1, c["clip"])
