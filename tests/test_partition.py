@@ -144,7 +144,7 @@ def test_first_bucket_fills_until_it_holds_first_bucket_bytes():
     buckets = bucket_parameters(params, bucket_bytes=40, element_size=4, first_bucket_bytes=8)
     assert [[n for n, _ in b] for b in buckets] == [["p0", "p1"], ["p2", "p3"], ["p4"]]
     # never more than bucket_bytes for the first bucket either
-    buckets = bucket_parameters(params, bucket_bytes=4, element_size=4, first_bucket_bytes=8)
+    buckets = bucket_parameters(params, bucket_bytes=16, element_size=4, first_bucket_bytes=8)
     assert [[n for n, _ in b] for b in buckets] == [["p0"], ["p1"], ["p2"], ["p3"], ["p4"]]
 
 

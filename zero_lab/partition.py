@@ -270,8 +270,9 @@ def bucket_parameters(
     reverse registration order so buckets fill in roughly the order backward produces
     gradients (the last layer's first), as torch's DDP does. `first_bucket_bytes` sizes the
     first bucket separately, by DDP's rule (1 MiB there): it takes parameters until it holds
-    at least that much, so it is ready early in backward (the last layer's bias *and*
-    weight, not the bias alone) and its collective runs while most of backward is to come.
+    at least that much (never more than `bucket_bytes`), so it is ready early in backward (the
+    last layer's bias *and* weight, not the bias alone) and its collective runs while most
+    of backward is still to come.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
@@ -279,10 +280,9 @@ def bucket_parameters(
     size = 0
     for name, p in named_params:
         nbytes = p.numel() * element_size
+        fits = bool(buckets) and size + nbytes <= bucket_bytes
         if len(buckets) == 1 and first_bucket_bytes:
-            fits = size < min(first_bucket_bytes, bucket_bytes)  # until it is full enough
-        else:
-            fits = bool(buckets) and size + nbytes <= bucket_bytes
+            fits = fits and size < first_bucket_bytes  # until it is full enough
         if fits:
             buckets[-1].append((name, p))
             size += nbytes
