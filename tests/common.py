@@ -41,6 +41,25 @@ def assert_losses_match_the_global_batch(reports: tuple[dict, ...], skip=lambda 
         if skip(c):
             continue
         mean = torch.tensor([rep["cases"][i]["losses"] for rep in reports]).mean(0)
-        rtol = 1e-5 if c["precision"] == "fp32" else 3e-2
-        torch.testing.assert_close(mean, torch.tensor(c["ref_losses"]), rtol=rtol, atol=0,
+        torch.testing.assert_close(mean, torch.tensor(c["ref_losses"]), rtol=_rtol(c), atol=0,
                                    msg=c["name"])
+
+
+def assert_global_clip_norms(reports: tuple[dict, ...], clip_of) -> int:
+    """Per clipped case: every rank returned the same norm, equal to the one-process norm on
+    the global batch, and clipping (at `clip_of(case)`) was really active. Returns how many
+    cases clipped, for the caller to check."""
+    import torch
+
+    clipped = [(i, c) for i, c in enumerate(reports[0]["cases"]) if c["grad_norms"]]
+    for i, c in clipped:
+        norms = torch.tensor([rep["cases"][i]["grad_norms"] for rep in reports])
+        assert (norms == norms[0]).all(), f"{c['name']}: ranks disagree on the norm"
+        torch.testing.assert_close(norms[0], torch.tensor(c["ref_grad_norms"]), rtol=_rtol(c),
+                                   atol=0, msg=c["name"])
+        assert max(c["ref_grad_norms"]) > clip_of(c), f"{c['name']}: clipping never active"
+    return len(clipped)
+
+
+def _rtol(case: dict) -> float:
+    return 1e-5 if case["precision"] == "fp32" else 3e-2  # bf16 keeps 8 significant bits

@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -190,12 +191,13 @@ class FlatParamGroup:
         self.dtype = flat.dtype  # new buffers (gradients, slices) follow the parameters
 
     # ------------------------------------------------------------------ collectives
-    @property
+    @cached_property
     def direct(self) -> bool:
         """Does this group send its collectives as a direct exchange (`zero_lab.exchange`)?
 
         With `transport="auto"`: on gloo (CPU) yes, because torch's gloo reduce-scatter is a
-        disguised all-reduce (see that module); elsewhere torch's own collectives.
+        disguised all-reduce (see that module); elsewhere torch's own collectives. Decided at
+        the first collective (a group can be laid out before the process group exists).
         """
         if self.transport == "auto":
             backend = str(dist.get_backend(self.process_group))
