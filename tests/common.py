@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import cache
 
 from zero_lab.launch import torchrun
-from zero_lab.plots import REPO_ROOT
+from zero_lab.paths import REPO_ROOT
 
 STAGE_CASES = REPO_ROOT / "tests" / "workers" / "stage_cases.py"
 WORLD_SIZES = (1, 2, 3, 4)

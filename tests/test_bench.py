@@ -90,8 +90,9 @@ def test_bytes_communicated_per_step(result):
 
 
 def test_direct_exchange_and_torch_collectives_are_both_measured(result):
-    """On gloo the stages use zero_lab.exchange; stage{1,2,3}_torch the same stages on torch's
-    collectives: the ledger counts the same collectives either way, the gain is reported."""
+    """On gloo the stages use zero_lab.collectives.exchange; stage{1,2,3}_torch the same stages
+    on torch's collectives: the ledger counts the same collectives either way, the gain is
+    reported."""
     systems = result["systems"]
     for s in (1, 2, 3):
         direct, torch_ = systems[f"stage{s}"], systems[f"stage{s}_torch"]

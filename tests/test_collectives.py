@@ -17,7 +17,6 @@ from zero_lab import grading
 from zero_lab.collectives import (
     AlphaBeta,
     CommLedger,
-    _record,
     algbw,
     bus_factor,
     busbw,
@@ -29,8 +28,9 @@ from zero_lab.collectives import (
     ring_steps,
     zero_volume,
 )
+from zero_lab.collectives.ledger import _record
 from zero_lab.launch import torchrun
-from zero_lab.plots import REPO_ROOT
+from zero_lab.paths import REPO_ROOT
 
 CASES = REPO_ROOT / "tests" / "workers" / "collectives_cases.py"
 
@@ -380,8 +380,9 @@ def test_check_ring_bytes_sent_accepts_reference_rejects_mistakes(capsys):
 
 
 def test_direct_exchange_equals_torch_collectives(ranks):
-    """zero_lab.exchange (what the stages use on gloo) gives what torch's reduce_scatter_single
-    and all_gather_single give: every dtype, SUM and AVG, in place, several in flight."""
+    """zero_lab.collectives.exchange (what the stages use on gloo) gives what torch's
+    reduce_scatter_single and all_gather_single give: every dtype, SUM and AVG, in place,
+    several in flight."""
     n, reports = ranks
     for rep in reports:
         direct = rep["direct"]
@@ -411,4 +412,4 @@ def test_ledger_records_a_direct_exchange_as_the_collective_it_implements(ranks)
     _check(rs_backward, "reduce_scatter", 2 * n * 3, "float32", 4, n, in_backward=True)
     _check(ar, "all_reduce", 2, "float32", 4, n)
     assert rs["sent_bytes"] == (n - 1) * 4 * 4
-    assert rs["torch_op"] == ag["torch_op"] == "zero_lab.exchange"
+    assert rs["torch_op"] == ag["torch_op"] == "zero_lab.collectives.exchange"

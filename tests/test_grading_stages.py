@@ -2,8 +2,8 @@
 
 Each check must accept the reference solution, reject the stub `make student` writes, and
 reject plausible wrong answers with the hint that names the mistake. A check is a launch of
-zero_lab/workers/stage_exercises.py on 3 gloo ranks followed by a verdict on what the ranks
-report; to keep this file fast, every reference and wrong answer runs in ONE launch (the
+zero_lab/workers/zero1_zero2_exercises.py on 3 gloo ranks followed by a verdict on what the
+ranks report; to keep this file fast, every reference and wrong answer runs in ONE launch (the
 `graded` fixture) and the tests apply each check's verdict to its reports. One test runs a
 public check end to end; stubs are recognised before any launch.
 """
@@ -16,6 +16,14 @@ import torch.distributed as dist
 
 from zero_lab import grading
 from zero_lab.grading import ExerciseFailed
+from zero_lab.grading.nb03_zero1 import (
+    OWNED_RANGE,
+    SHARDED_STEP,
+    judge_owned_range,
+    judge_sharded_step,
+)
+from zero_lab.grading.nb04_zero2 import BUCKET_HOOK, judge_bucket_hook
+from zero_lab.grading.remote import run_on_ranks
 
 # ------------------------------------------------------------------ owned slice ranges
 
@@ -30,7 +38,7 @@ def owned_range_stub(numel, world_size, rank):
 
 
 def owned_range_remainder_to_last(numel, world_size, rank):
-    # The seed blog's split: floor-sized slices, the last rank takes what is left.
+    # A common learner mistake: floor-sized slices, the last rank takes what is left.
     shard = numel // world_size
     end = numel if rank == world_size - 1 else (rank + 1) * shard
     return rank * shard, end
@@ -196,20 +204,20 @@ RUNS = [
     ("bucket_hook", on_grad_ready_n_copies),
     ("bucket_hook", on_grad_ready_returns_none),
 ]
-JUDGES = {"owned_range": ("check_owned_range", grading._judge_owned_range),
-          "sharded_step": ("check_sharded_step", grading._judge_sharded_step),
-          "bucket_hook": ("check_bucket_hook", grading._judge_bucket_hook)}
+EXERCISES = {"owned_range": (OWNED_RANGE, "check_owned_range", judge_owned_range),
+             "sharded_step": (SHARDED_STEP, "check_sharded_step", judge_sharded_step),
+             "bucket_hook": (BUCKET_HOOK, "check_bucket_hook", judge_bucket_hook)}
 
 
 @pytest.fixture(scope="module")
 def graded():
     """Every (exercise, function) above, run on 3 ranks in a single launch."""
-    return grading._launch_exercises("tests", RUNS)
+    return run_on_ranks("tests", [(EXERCISES[exercise][0], [fn]) for exercise, fn in RUNS])
 
 
 @pytest.fixture
 def judge(graded):
     def run(exercise, fn):
-        name, verdict = JUDGES[exercise]
+        _, name, verdict = EXERCISES[exercise]
         verdict(name, graded[f"{exercise}:{fn.__name__}"])
     return run

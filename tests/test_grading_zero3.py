@@ -15,6 +15,13 @@ import torch.distributed as dist
 
 from zero_lab import grading
 from zero_lab.grading import ExerciseFailed
+from zero_lab.grading.nb05_zero3 import (
+    MATERIALIZE_RELEASE,
+    POST_BACKWARD,
+    judge_materialize_release,
+    judge_post_backward,
+)
+from zero_lab.grading.remote import exercise_key, run_on_ranks
 from zero_lab.partition import allocate_storage, free_storage
 
 # ------------------------------------------------------------------ materialize / release
@@ -124,22 +131,22 @@ RUNS = [
     ("post_backward", [post_backward_overwrite]),
     ("post_backward", [post_backward_keeps_params]),
 ]
-JUDGES = {"materialize_release": ("check_materialize_release",
-                                  grading._judge_materialize_release),
-          "post_backward": ("check_post_backward", grading._judge_post_backward)}
+EXERCISES = {"materialize_release": (MATERIALIZE_RELEASE, "check_materialize_release",
+                                     judge_materialize_release),
+             "post_backward": (POST_BACKWARD, "check_post_backward", judge_post_backward)}
 
 
 @pytest.fixture(scope="module")
 def graded():
     """Every (exercise, functions) above, run on 3 ranks in a single launch."""
-    return grading._launch_zero3_exercises("tests", RUNS)
+    return run_on_ranks("tests", [(EXERCISES[exercise][0], fns) for exercise, fns in RUNS])
 
 
 @pytest.fixture
 def judge(graded):
     def run(exercise, *fns):
-        name, verdict = JUDGES[exercise]
-        verdict(name, graded[grading._zero3_key(exercise, fns)])
+        rank_exercise, name, verdict = EXERCISES[exercise]
+        verdict(name, graded[exercise_key(rank_exercise, fns)])
     return run
 
 

@@ -6,7 +6,8 @@ steps each: stages 0, 1, 2, stage 1's all-reduce variant and the standalone
 ZeroRedundancyOptimizer; odd-sized MLPs with and without biases, a nested model (LayerNorm,
 a 0-d parameter, a frozen layer, a layer used twice), a small GPT with a tied head; Adam,
 AdamW, SGD with momentum; gradient accumulation, clipping, tiny buckets, mixed precision;
-on gloo the direct exchange (zero_lab.exchange) and, for three cases, torch's collectives.
+on gloo the direct exchange (zero_lab.collectives.exchange) and, for three cases, torch's
+collectives.
 Ranks initialise differently, so every case also checks that shard() starts them from
 rank 0's weights.
 """
@@ -26,6 +27,7 @@ from common import (
 
 from zero_lab import memory
 from zero_lab import workloads as W
+from zero_lab.measured import held_bytes
 from zero_lab.stages import shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 
@@ -58,8 +60,9 @@ def test_fp32_training_matches_one_process_on_the_global_batch(ranks):
 
 
 def test_groups_send_by_direct_exchange_on_gloo_unless_told_otherwise(ranks):
-    """On gloo, `transport="auto"` picks zero_lab.exchange; `partition.TRANSPORT = "torch"`
-    (three cases) keeps torch's collectives, which train to the same result."""
+    """On gloo, `transport="auto"` picks zero_lab.collectives.exchange; `shard(...,
+    transport="torch")` (three cases) keeps torch's collectives, which train to the same
+    result."""
     n, reports = ranks
     transports = {c["transport"] for c in reports[0]["cases"]}
     assert transports == {"auto", "torch"}
@@ -289,7 +292,7 @@ def test_mixed_precision_reference_keeps_fp32_masters():
     opt.step()
     for p, m in zip(model.parameters(), opt.master_weights, strict=True):
         assert torch.equal(p, m.to(torch.bfloat16))  # bf16 weights are the rounded masters
-    held = W.held_bytes(model, opt)
+    held = held_bytes(model, opt)
     n = W.count_parameters(model)
     assert held["params"] == held["grads"] == 2 * n
     assert held["optimizer"] == 12 * n  # fp32 master + Adam m and v

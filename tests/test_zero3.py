@@ -27,7 +27,7 @@ from torch import nn
 from zero_lab import memory
 from zero_lab import workloads as W
 from zero_lab.launch import torchrun
-from zero_lab.plots import REPO_ROOT
+from zero_lab.paths import REPO_ROOT
 from zero_lab.stages.units import ROOT_NAME, plan_units, unit_modules
 
 CASES = REPO_ROOT / "tests" / "workers" / "zero3_cases.py"

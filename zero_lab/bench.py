@@ -18,18 +18,20 @@ communicates (`zero_lab.collectives.CommLedger`, on an untimed step), and the la
 difference of its trained weights from the first system's: every system sees the same
 batches, so the comparison is fair only if they all trained the same model.
 
-Targets (issue 5), as ratios of each system's best round: stage 0 <= 1.1 x DDP,
-stage 1 <= 1.1 x ZeroRedundancyOptimizer, stage 2 <= 1.15 x DDP; (issue 6) stage 3 <= 0.9 x
-torch's FSDP2 and <= 1.6 x DDP (it sends 1.5 x DDP's bytes). The gain from stage 3's
+Targets, as ratios of each system's best round: stage 0 <= 1.1 x DDP,
+stage 1 <= 1.1 x ZeroRedundancyOptimizer, stage 2 <= 1.15 x DDP, stage 3 <= 0.9 x torch's
+FSDP2 and <= 1.6 x DDP (it sends 1.5 x DDP's bytes). The gain from stage 3's
 prefetch is reported as the ratio stage 3 without prefetch / with prefetch.
 
 On gloo the stages send their reduce-scatters and all-gathers as a direct exchange of
-point-to-point messages (`zero_lab.exchange`), because torch 2.13's gloo reduce-scatter is an
-all-reduce of a copy. `stage1_torch` ... `stage3_torch` run the same stages through torch's
-collectives, so the table shows what that choice buys ("transport_gain"); torch's DDP,
-ZeroRedundancyOptimizer and FSDP2 always use torch's collectives.
+point-to-point messages (`zero_lab.collectives.exchange`), because torch 2.13's gloo
+reduce-scatter is an all-reduce of a copy. `stage1_torch` ... `stage3_torch` run the same
+stages through torch's collectives, so the table shows what that choice buys
+("transport_gain"); torch's DDP, ZeroRedundancyOptimizer and FSDP2 always use torch's
+collectives.
 
-To add a system, write a builder and list it in SYSTEMS.
+The systems and how each is built live in `zero_lab.bench_systems` (shared with the rank
+side, `zero_lab/workers/bench_worker.py`); this module is the command and the summary.
 """
 
 from __future__ import annotations
@@ -38,149 +40,18 @@ import argparse
 import json
 import statistics
 import sys
-from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
-from functools import partial
+from collections.abc import Sequence
+from dataclasses import asdict
 from pathlib import Path
 
-from zero_lab.plots import REPO_ROOT
+from zero_lab.bench_systems import PHASES, SYSTEMS, BenchConfig
+from zero_lab.paths import BENCH, WORKERS
 
-DEFAULT_OUT = REPO_ROOT / "runs" / "bench"
-PHASES = ("forward", "backward", "optimizer.step", "zero_grad")  # how a step is timed
+DEFAULT_OUT = BENCH
 # glibc malloc: serve every size from the heap and never trim it (see run(keep_freed_memory)).
 KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**40), "MALLOC_TRIM_THRESHOLD_": str(2**40)}
-WORKER = Path(__file__).resolve().parent / "workers" / "bench_worker.py"
+WORKER = WORKERS / "bench_worker.py"
 
-
-@dataclass
-class BenchConfig:
-    """What every system trains: the same model, data, optimizer and bucket size."""
-
-    width: int = 1024
-    depth: int = 6
-    batch: int = 32  # rows per rank; the global batch is batch x N
-    lr: float = 1e-3
-    bucket_mb: float = 25.0  # zero_lab's buckets and DDP's bucket_cap_mb
-    rounds: int = 8
-    steps: int = 10  # timed steps per system per round
-    warmup: int = 3  # untimed steps per system first (>= 2: DDP rebuilds its buckets on step 2)
-    seed: int = 0
-
-
-@dataclass
-class Trainer:
-    """A system ready to train: call `model`, then `optimizer.step()` / `.zero_grad()`.
-
-    `full_weights()` returns {original parameter name: full tensor} on every rank.
-    """
-
-    model: object
-    optimizer: object
-    full_weights: Callable[[], dict]
-
-
-@dataclass(frozen=True)
-class System:
-    """A named way of training the model. `build(model, config, device)` -> Trainer runs
-    inside the worker, on every rank, after the process group is up."""
-
-    name: str
-    label: str
-    build: Callable = field(repr=False)
-    short: str = ""  # a two-line label for figures
-
-
-# ----------------------------------------------------------------------------- builders
-# Each imports torch inside, so that the parent process (this module's CLI) stays light.
-
-
-def _adam(params, config: BenchConfig):
-    import torch
-
-    return torch.optim.Adam(params, lr=config.lr)
-
-
-def _unwrapped_weights(ddp) -> Callable[[], dict]:
-    return lambda: {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
-
-
-def _ddp(model, config: BenchConfig, device):
-    from torch.nn.parallel import DistributedDataParallel
-
-    ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=config.bucket_mb)
-
-
-def build_ddp(model, config: BenchConfig, device) -> Trainer:
-    """torch's DistributedDataParallel (default settings) + Adam on every parameter."""
-    ddp = _ddp(model, config, device)
-    return Trainer(ddp, _adam(ddp.parameters(), config), _unwrapped_weights(ddp))
-
-
-def build_zero_redundancy(model, config: BenchConfig, device) -> Trainer:
-    """torch's ZeroRedundancyOptimizer (whole parameters per rank, broadcast after the step)
-    over DDP's all-reduced gradients: torch's own ZeRO stage 1."""
-    import torch
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    ddp = _ddp(model, config, device)
-    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam,
-                                  lr=config.lr)
-    return Trainer(ddp, opt, _unwrapped_weights(ddp))
-
-
-def build_zero_lab(model, config: BenchConfig, device, stage: int,
-                   prefetch: bool = True, transport: str = "auto") -> Trainer:
-    """zero_lab's `shard(model, stage)`: flat buffers, buckets of `bucket_mb` (stage 3: one
-    flat buffer per unit, each Linear here; `prefetch` gathers the next unit ahead).
-    `transport="torch"` sends through torch's collectives even on gloo (`partition.TRANSPORT`)."""
-    from zero_lab import partition
-    from zero_lab.stages import full_state_dict, shard
-
-    partition.TRANSPORT = transport  # read when shard() builds the flat groups
-    try:
-        model, opt = shard(model, stage, optimizer=lambda params: _adam(params, config),
-                           bucket_mb=config.bucket_mb, prefetch=prefetch)
-    finally:
-        partition.TRANSPORT = "auto"
-    return Trainer(model, opt, lambda: full_state_dict(model))
-
-
-def build_fsdp2(model, config: BenchConfig, device) -> Trainer:
-    """torch's FSDP2: `fully_shard` on every block (each Linear), then on the root; Adam on
-    the local shards (DTensors), as torch documents it."""
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model:
-        if any(p.requires_grad for p in layer.parameters()):
-            fully_shard(layer)
-    fully_shard(model)
-
-    def full_weights() -> dict:
-        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
-                for k, v in model.state_dict().items()}
-
-    return Trainer(model, _adam(model.parameters(), config), full_weights)
-
-
-SYSTEMS: dict[str, System] = {s.name: s for s in [
-    System("ddp", "torch DDP", build_ddp, "torch\nDDP"),
-    System("zero_redundancy", "torch ZeroRedundancyOptimizer + DDP", build_zero_redundancy,
-           "torch\nZeroRedundancyOpt."),
-    System("stage0", "zero_lab stage 0", partial(build_zero_lab, stage=0), "zero_lab\nstage 0"),
-    System("stage1", "zero_lab stage 1", partial(build_zero_lab, stage=1), "zero_lab\nstage 1"),
-    System("stage2", "zero_lab stage 2", partial(build_zero_lab, stage=2), "zero_lab\nstage 2"),
-    System("stage3", "zero_lab stage 3 (prefetch)", partial(build_zero_lab, stage=3),
-           "zero_lab\nstage 3"),
-    System("stage3_noprefetch", "zero_lab stage 3, no prefetch",
-           partial(build_zero_lab, stage=3, prefetch=False), "zero_lab st. 3\nno prefetch"),
-    System("fsdp2", "torch FSDP2 (fully_shard)", build_fsdp2, "torch\nFSDP2"),
-    # The same stages sending through torch's collectives (on gloo: its reduce-scatter is an
-    # all-reduce in disguise; see zero_lab.exchange): what the direct exchange buys.
-    *[System(f"stage{s}_torch", f"zero_lab stage {s}, torch's collectives",
-             partial(build_zero_lab, stage=s, transport="torch"),
-             f"zero_lab st. {s}\ntorch coll.") for s in (1, 2, 3)],
-]}
 
 # (system, baseline, largest allowed ratio of best-round step times)
 TARGETS: list[tuple[str, str, float]] = [

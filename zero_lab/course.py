@@ -16,12 +16,7 @@ import sys
 import time
 from pathlib import Path
 
-from zero_lab.plots import REPO_ROOT
-
-NOTEBOOKS = REPO_ROOT / "notebooks"
-EXECUTED = REPO_ROOT / "runs" / "executed"
-RUN_FIGURES = REPO_ROOT / "runs" / "figures"
-FIGURES = REPO_ROOT / "figures"
+from zero_lab.paths import EXECUTED, FIGURES, NOTEBOOKS, RUN_FIGURES
 
 
 def course_notebooks(only: str | None = None) -> list[Path]:

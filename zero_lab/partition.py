@@ -14,7 +14,7 @@ exactly S elements whatever the parameter sizes, and a parameter may straddle tw
 One buffer layout serves every state of the group: the parameters, a full gradient buffer
 (`new_full()`), a gradient or fp32 master slice (`new_shard()`). The two collectives ZeRO
 needs work on whole buffers, one call per group (on gloo sent as a direct exchange of
-point-to-point messages, `zero_lab.exchange`, because torch's gloo reduce-scatter is a
+point-to-point messages, `zero_lab.collectives.exchange`, because torch's gloo reduce-scatter is a
 disguised all-reduce):
 
     reduce_scatter(shard_out, full_in)   full gradients -> the averaged slice this rank owns
@@ -50,14 +50,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab import exchange
-from zero_lab.exchange import Exchange
+from zero_lab.collectives import exchange
+from zero_lab.collectives.exchange import Exchange
 
-# How groups built from now on send their collectives: "auto" (a direct exchange of
-# point-to-point messages on gloo, torch's collectives elsewhere: see `zero_lab.exchange`),
-# "torch" or "direct". Set it before `shard()` to compare (tests and `make bench` do).
+# How a group sends its collectives: "auto" (a direct exchange of point-to-point messages on
+# gloo, torch's collectives elsewhere: see collectives/exchange.py), "torch" or "direct".
+# `shard(..., transport=...)` passes it down; tests and `make bench` compare the two.
 TRANSPORTS = ("auto", "torch", "direct")
-TRANSPORT = "auto"
 
 
 @dataclass(frozen=True)
@@ -97,6 +96,7 @@ class FlatParamGroup:
         rank: int,
         names: Sequence[str] | None = None,
         process_group: dist.ProcessGroup | None = None,
+        transport: str = "auto",
     ) -> None:
         params = list(params)
         if not params:
@@ -125,9 +125,9 @@ class FlatParamGroup:
         self.padding = self.padded_numel - self.numel
         self.shard_start, self.shard_end = self.shard_range(rank)
         self.flat: torch.Tensor | None = None  # the buffer the parameters view, once bound
-        if TRANSPORT not in TRANSPORTS:
-            raise ValueError(f"partition.TRANSPORT must be one of {TRANSPORTS}, got {TRANSPORT!r}")
-        self.transport = TRANSPORT  # how this group's collectives are sent (see `direct`)
+        if transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        self.transport = transport  # how this group's collectives are sent (see `direct`)
 
     # ------------------------------------------------------------------ layout
     def shard_range(self, rank: int) -> tuple[int, int]:
@@ -193,7 +193,7 @@ class FlatParamGroup:
     # ------------------------------------------------------------------ collectives
     @cached_property
     def direct(self) -> bool:
-        """Does this group send its collectives as a direct exchange (`zero_lab.exchange`)?
+        """Does this group send its collectives as a direct exchange (collectives/exchange.py)?
 
         With `transport="auto"`: on gloo (CPU) yes, because torch's gloo reduce-scatter is a
         disguised all-reduce (see that module); elsewhere torch's own collectives. Decided at
@@ -298,6 +298,7 @@ def make_flat_groups(
     named_params: Sequence[tuple[str, nn.Parameter]], bucket_bytes: float,
     *, element_size: int | None = None, first_bucket_bytes: float | None = None,
     src: int | None = 0, process_group: dist.ProcessGroup | None = None,
+    transport: str = "auto",
 ) -> list[FlatParamGroup]:
     """Bucket `named_params` (reverse registration order: see `bucket_parameters`) into flat
     groups whose buffers the parameters then view; with `src`, every rank starts from rank
@@ -312,7 +313,7 @@ def make_flat_groups(
                                     first_bucket_bytes=first_bucket_bytes):
         bucket = bucket[::-1]
         group = FlatParamGroup([p for _, p in bucket], world, rank, [n for n, _ in bucket],
-                               process_group)
+                               process_group, transport)
         flat = group.flatten()
         if src is not None:
             dist.broadcast(flat, src=src, group=process_group)

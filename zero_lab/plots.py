@@ -6,17 +6,9 @@ named by $ZERO_LAB_FIGURES_DIR) and `make figures` copies it into the committed 
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
-
-
-def figures_dir() -> Path:
-    """Where notebooks write figures: $ZERO_LAB_FIGURES_DIR, else <repo>/runs/figures."""
-    path = Path(os.environ.get("ZERO_LAB_FIGURES_DIR", REPO_ROOT / "runs" / "figures"))
-    path.mkdir(parents=True, exist_ok=True)
-    return path
+from zero_lab.paths import figures_dir
 
 
 def save_figure(fig, name: str) -> Path:

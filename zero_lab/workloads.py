@@ -12,7 +12,7 @@ single-process reference see the same numbers; `rank_slice` gives each rank its 
 equal slices, the average of the ranks' mean losses is the mean loss of the global batch,
 so data-parallel training must match one process training on the global batch.
 
-`train()` runs the ordinary loop and measures it; `held_bytes()` counts model states.
+`train()` runs the ordinary loop and measures it (bytes held and peak: `zero_lab.measured`).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from zero_lab.measure import PeakMemory, held_model_state_bytes
+from zero_lab.measured import PeakMemory, held_bytes
 
 # ------------------------------------------------------------------------------ models
 
@@ -151,52 +151,7 @@ def next_token_loss(model: nn.Module, batch: tuple[torch.Tensor, torch.Tensor]) 
     return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1))
 
 
-# ------------------------------------------------------------------------------ measuring
-
-
-def model_state_tensors(model: nn.Module, optimizer: object | None
-                        ) -> dict[str, list[torch.Tensor]]:
-    """This rank's tensors behind `held_bytes`: {"params", "grads", "optimizer"}.
-
-    As `held_bytes` counts them (fp32 masters as optimizer state); a DTensor (torch FSDP2's
-    parameters, gradients and Adam states) stands for its local shard.
-    """
-    params = list(model.parameters())
-    sync = getattr(optimizer, "sync", None)
-    if sync is not None:
-        params += list(sync.step_params)
-    inner = getattr(optimizer, "optim", optimizer)
-    states = [v for state in (inner.state.values() if inner is not None else ())
-              for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
-    states += list(getattr(optimizer, "master_weights", None) or [])
-    return {"params": [_local(p) for p in params],
-            "grads": [_local(p.grad) for p in params if p.grad is not None],
-            "optimizer": [_local(t) for t in states]}
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor -> this rank's shard
-
-
-def held_bytes(model: nn.Module, optimizer: object | None) -> dict[str, int]:
-    """Bytes this rank holds in parameters, gradients and optimizer states, by category.
-
-    Works for a plain model + torch optimizer and for `shard()`'s optimizer, whose slices
-    and fp32 masters it adds (masters count as optimizer state, the ZeRO paper's K, which is
-    how `zero_lab.memory.model_state_bytes` counts them). Storages are counted once.
-    torch FSDP2's DTensors count as their local shards.
-    """
-    if any(hasattr(p, "to_local") for p in model.parameters()):  # torch FSDP2
-        return held_model_state_bytes([], None, model_state_tensors(model, optimizer))
-    params = list(model.parameters())
-    extra: dict[str, list[torch.Tensor]] = {}
-    sync = getattr(optimizer, "sync", None)
-    if sync is not None:  # zero_lab's ShardedOptimizer
-        params += list(sync.step_params)  # views of the flat buffers, plus their gradients
-    extra["master"] = list(getattr(optimizer, "master_weights", None) or [])
-    counts = held_model_state_bytes(params, getattr(optimizer, "optim", optimizer), extra)
-    counts["optimizer"] += counts.pop("master", 0)
-    return counts
+# ------------------------------------------------------------------------------ training
 
 
 def _synchronize(device: torch.device) -> None:
@@ -222,8 +177,8 @@ def train(
     each loss divided by k, before one optimizer step; `clip` clips the global gradient norm.
     Returns a JSON-ready dict: per-step "losses" (this rank's, averaged over micro-batches),
     "grad_norms" (when clipping), "step_times" (seconds; the memory-tracked last step is
-    left out), "held_after_backward" and "held_after_step" (`held_bytes` on the last step)
-    and "peak_bytes" (the last step's peak, `zero_lab.measure.PeakMemory`).
+    left out), "held_after_backward" and "held_after_step" (`measured.held_bytes` on the last step)
+    and "peak_bytes" (the last step's peak, `zero_lab.measured.PeakMemory`).
     """
     device = torch.device(device)
     out: dict = {"losses": [], "grad_norms": [], "step_times": []}

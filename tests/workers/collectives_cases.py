@@ -199,7 +199,7 @@ report({"blocks": blocks})
 
 
 # ---------------------------------------------------------------- the direct exchange == torch's
-from zero_lab import exchange  # noqa: E402
+from zero_lab.collectives import exchange  # noqa: E402
 
 direct_mismatches, direct_checked = [], 0
 for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.int64):

@@ -16,7 +16,6 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab import partition
 from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
@@ -148,14 +147,14 @@ def local_batches(global_batch, rank: int, world: int):
 def run_case(c: dict, rank: int, world: int) -> dict:
     model, ref, global_batch, loss_fn, make_opt = models_for_case(c, rank)
 
-    partition.TRANSPORT = c["transport"]  # read when the flat groups are built
     if c["standalone"]:
         cls, kwargs = OPTIMIZERS[c["optimizer"]]
-        opt = ZeroRedundancyOptimizer(model.parameters(), cls, bucket_mb=c["bucket_mb"], **kwargs)
+        opt = ZeroRedundancyOptimizer(model.parameters(), cls, bucket_mb=c["bucket_mb"],
+                                      transport=c["transport"], **kwargs)
     else:
         model, opt = shard(model, c["stage"], make_opt, bucket_mb=c["bucket_mb"],
-                           precision=c["precision"], zero1_variant=c["variant"])
-    partition.TRANSPORT = "auto"
+                           precision=c["precision"], zero1_variant=c["variant"],
+                           transport=c["transport"])
     ref, ref_opt = reference_optimizer(c, ref, make_opt)
     local = local_batches(global_batch, rank, world)
 

@@ -30,9 +30,10 @@ from torch.utils.checkpoint import checkpoint
 from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
+from zero_lab.seed_blog import blog_zero3_gradient
 from zero_lab.stages import full_state_dict, shard
-from zero_lab.stages.zero3 import Zero3, shard_zero3
-from zero_lab.workers.zero3_lifecycle import activation_bytes, measure_step
+from zero_lab.stages.zero3 import Zero3
+from zero_lab.step_timeline import activation_bytes, measure_step
 
 
 class Checkpointed(nn.Module):
@@ -93,14 +94,13 @@ class _Done:
 
 
 def blog_gradients(sync: Zero3) -> None:
-    """Give stage 3 the seed blog's gradient step: instead of reduce-scattering, each rank
-    cuts *its own* chunk out of its full gradient and all-reduces that, so rank 0's chunk 0
-    is averaged with rank 1's chunk 1."""
+    """Give stage 3 the seed blog's gradient step (`zero_lab.seed_blog.blog_zero3_gradient`):
+    instead of reduce-scattering, each rank cuts *its own* chunk out of its full gradient and
+    all-reduces that, so rank 0's chunk 0 is averaged with rank 1's chunk 1. A group's full
+    buffer is padded to N equal slices, so the blog's dim-0 chunk r is this rank's slice."""
     for group in sync.groups:
         def all_reduce_own_chunk(shard_out, full_in, op=None, async_op=False, group=group):
-            mine = group.shard(full_in).clone()
-            dist.all_reduce(mine)
-            shard_out.copy_(mine / group.world_size)
+            shard_out.copy_(blog_zero3_gradient(full_in, group=group.process_group))
             return _Done()
 
         group.reduce_scatter = all_reduce_own_chunk
@@ -260,7 +260,7 @@ def error_cases() -> dict:
     message = error_message
 
     return {
-        "unit_classes": message(lambda: shard_zero3(W.deep_mlp(4, 1), unit_classes=("Linear",))),
+        "unit_classes": message(lambda: shard(W.deep_mlp(4, 1), 3, unit_classes=("Linear",))),
         "twice": message(lambda: shard(shard(W.deep_mlp(4, 1), 3)[0], 3)),
         "batchnorm": message(lambda: shard(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), 3)),
         "frozen": message(lambda: shard(W.deep_mlp(4, 1).requires_grad_(False), 3)),

@@ -11,12 +11,15 @@ mechanics live in `zero_lab/partition.py` (the flat buffers), `gradient_sync.py`
 the end-of-backward callback) and `sharded_optimizer.py` (the optimizer wrapper, clipping,
 mixed precision).
 
-`shard()` changes the model in place and returns it: trainable parameters move into flat
-buffers (one per bucket of about `bucket_mb` MB, filled in reverse registration order, the
-order backward produces gradients; the first bucket holds at most 1 MB, as in torch's DDP),
-every rank starts from rank 0's parameters and buffers (broadcast, as torch's DDP does), and
-gradient hooks are installed. Build the optimizer through `shard(..., optimizer=...)`, never
-on `model.parameters()` directly. `model.zero_grad()` is routed to `opt.zero_grad()`.
+`shard()` changes the model in place and returns it, in three steps that every stage shares
+(read it top to bottom): trainable parameters move into flat buffers (stages 0-2: one per
+bucket of about `bucket_mb` MB, filled in reverse registration order, the order backward
+produces gradients, the first closed at 1 MB as in torch's DDP; stage 3: one per unit, of
+which a rank keeps its slice), every rank starts from rank 0's parameters and buffers
+(broadcast, as torch's DDP does), then the stage installs its hooks and the optimizer is
+built on what this rank updates. Build the optimizer through `shard(..., optimizer=...)`,
+never on `model.parameters()` directly. At stages 0-2 `model.zero_grad()` is routed to
+`opt.zero_grad()`.
 
 For the stage modules: a sharded model carries, as attribute `SHARDED_ATTR`, the object whose
 `full_state_dict(model)` method `full_state_dict()` calls (for stages 0-2 the optimizer,
@@ -31,17 +34,18 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.partition import make_flat_groups
+from zero_lab.partition import TRANSPORTS, make_flat_groups
 from zero_lab.stages.ddp import DataParallel
+from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.mixed_precision import COMPUTE_DTYPE, to_compute_dtype
 from zero_lab.stages.sharded_optimizer import ShardedOptimizer, check_optimizer
 from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
 from zero_lab.stages.zero1 import Zero1, ZeroRedundancyOptimizer
 from zero_lab.stages.zero2 import Zero2
-from zero_lab.stages.zero3 import Zero3, shard_zero3
+from zero_lab.stages.zero3 import Zero3, make_units
 
 __all__ = ["shard", "full_state_dict", "ShardedOptimizer", "ZeroRedundancyOptimizer",
-           "DataParallel", "Zero1", "Zero2", "Zero3", "shard_zero3"]
+           "DataParallel", "Zero1", "Zero2", "Zero3"]
 
 STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "mixed")
@@ -61,6 +65,7 @@ def shard(
     prefetch: bool = True,
     precision: str = "fp32",
     *,
+    transport: str = "auto",
     zero1_variant: str = "reduce_scatter",
     unit_classes: Sequence[type] | None = None,
 ) -> tuple[nn.Module, ShardedOptimizer]:
@@ -72,57 +77,71 @@ def shard(
     makes every module of those classes a unit, like FSDP's wrapping policy; by default each
     child module that owns parameters and is called is one.
     `optimizer` builds a torch optimizer from a list of tensors (an element-wise one: SGD,
-    Adam, AdamW, ...). `bucket_mb` sizes the flat groups (and so the collectives).
-    `prefetch` matters only for stage 3. `precision`: "fp32", or "mixed" (bf16 compute, fp32
-    masters and optimizer states for the owned slice). `zero1_variant="all_reduce"` gives
-    the seed notes' stage 1 that all-reduces gradients (3Ψ per step instead of 2Ψ).
-    Needs an initialised default process group; call it on every rank.
+    Adam, AdamW, ...). `bucket_mb` sizes the flat groups of stages 0-2 (and so their
+    collectives). `prefetch` matters only for stage 3. `precision`: "fp32", or "mixed" (bf16
+    compute, fp32 masters and optimizer states for the owned slice). `transport`: how the
+    flat groups send reduce-scatters and all-gathers: "auto" (a direct exchange on gloo,
+    torch's collectives elsewhere; see collectives/exchange.py), "torch" or "direct".
+    `zero1_variant="all_reduce"` gives the seed notes' stage 1 that all-reduces gradients
+    (3Ψ per step instead of 2Ψ). Needs an initialised default process group; call it on
+    every rank.
     """
-    _check_arguments(stage, bucket_mb, prefetch, precision, zero1_variant)
-    if unit_classes is not None and stage != 3:
-        raise ValueError(f"unit_classes applies to stage 3 only, not stage {stage}")
-    if stage == 3:  # parameters sharded too, gathered unit by unit on demand: zero3.py
-        return shard_zero3(model, optimizer, prefetch=prefetch, precision=precision,
-                           unit_classes=unit_classes)
+    _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
+                     unit_classes)
     _check_model(model)
     probe = [nn.Parameter(torch.zeros(1))]  # try the optimizer function before changing anything
     check_optimizer(optimizer(probe), probe)
-    mixed = precision == "mixed"
+    compute_dtype = COMPUTE_DTYPE if precision == "mixed" else None
 
-    # Trainable parameters, each once (a tied weight is one Parameter), into flat groups of
-    # about bucket_mb, the last layers first (the order backward produces their gradients);
-    # every rank starts from rank 0's values.
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    grad_bytes = torch.tensor([], dtype=COMPUTE_DTYPE).element_size() if mixed else 4
-    groups = make_flat_groups(trainable[::-1], bucket_mb * 2**20, element_size=grad_bytes,
-                              first_bucket_bytes=FIRST_BUCKET_MB * 2**20)
+    # 1. Trainable parameters, each once (a tied weight is one Parameter), into flat groups;
+    #    every rank starts from rank 0's values. Stages 0-2: buckets of about bucket_mb, the
+    #    last layers first (the order backward produces their gradients). Stage 3: one group
+    #    per unit, of which this rank keeps only its slice (zero3.py).
+    if stage == 3:
+        units, masters = make_units(model, unit_classes, transport, compute_dtype)
+        groups = [unit.group for unit in units]
+    else:
+        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        element_size = compute_dtype.itemsize if compute_dtype else 4  # of the gradients
+        groups = make_flat_groups(trainable[::-1], bucket_mb * 2**20, element_size=element_size,
+                                  first_bucket_bytes=FIRST_BUCKET_MB * 2**20,
+                                  transport=transport)
+        masters = []
+        if compute_dtype:
+            # fp32 masters of what this rank updates, taken before anything is rounded.
+            masters = [(group.shard(group.flat) if stage > 0 else group.flat).clone()
+                       for group in groups]
+            for group in groups:
+                group.bind(group.flat.to(compute_dtype))
+
+    # 2. What is not in a flat group (frozen parameters, buffers) stays whole on every rank,
+    #    also from rank 0.
     with torch.no_grad():
         for p in model.parameters():
             if not p.requires_grad:
                 dist.broadcast(p.data, src=0)
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
-
-    masters = None
-    if mixed:
-        # fp32 masters of what this rank updates, taken before anything is rounded to bf16.
-        masters = [(group.shard(group.flat) if stage > 0 else group.flat).clone()
-                   for group in groups]
-        for group in groups:
-            group.bind(group.flat.to(COMPUTE_DTYPE))
+    if compute_dtype:
         to_compute_dtype(model, skip={id(p) for group in groups for p in group.params})
 
-    if stage == 0:
-        sync = DataParallel(groups)
+    # 3. The stage's gradient path (hooks, collectives), and the optimizer on what it updates.
+    sync: GradientSync
+    if stage == 3:
+        sync = Zero3(model, units, prefetch=prefetch)
+    elif stage == 2:
+        sync = Zero2(groups)
     elif stage == 1:
         sync = Zero1(groups, variant=zero1_variant)
     else:
-        sync = Zero2(groups)
-    opt = ShardedOptimizer(sync, optimizer, masters)
+        sync = DataParallel(groups)
+    opt = ShardedOptimizer(sync, optimizer, masters or None)
     setattr(model, SHARDED_ATTR, opt)
-    # Stage 2 keeps gradients where model.zero_grad() cannot see them: route it to the
-    # optimizer, so a loop that calls model.zero_grad() stays correct.
-    model.zero_grad = opt.zero_grad
+    if stage < 3:
+        # Stage 2 keeps gradients where model.zero_grad() cannot see them: route it to the
+        # optimizer, so a loop that calls model.zero_grad() stays correct. (At stage 3 the
+        # parameters' .grad are their slices' pieces, which model.zero_grad() reaches.)
+        model.zero_grad = opt.zero_grad
     return model, opt
 
 
@@ -143,7 +162,8 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 # --------------------------------------------------------------------------- refusals
 
 
-def _check_arguments(stage, bucket_mb, prefetch, precision, zero1_variant) -> None:
+def _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
+                     unit_classes) -> None:
     if stage not in STAGES or isinstance(stage, bool):
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     if precision not in PRECISIONS:
@@ -156,6 +176,10 @@ def _check_arguments(stage, bucket_mb, prefetch, precision, zero1_variant) -> No
         raise ValueError(f"zero1_variant must be one of {ZERO1_VARIANTS}, got {zero1_variant!r}")
     if zero1_variant != "reduce_scatter" and stage != 1:
         raise ValueError(f"zero1_variant applies to stage 1 only, not stage {stage}")
+    if unit_classes is not None and stage != 3:
+        raise ValueError(f"unit_classes applies to stage 3 only, not stage {stage}")
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("shard() needs torch.distributed initialised on every rank; run it "
                            "inside a torchrun worker after zero_lab.launch.init_worker()")

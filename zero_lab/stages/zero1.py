@@ -128,14 +128,14 @@ class ZeroRedundancyOptimizer(ShardedOptimizer):
 
     def __init__(self, params: Iterable[torch.Tensor] | Iterable[dict],
                  optimizer_class: type[torch.optim.Optimizer], bucket_mb: float = 25.0,
-                 **defaults) -> None:
+                 *, transport: str = "auto", **defaults) -> None:
         params = list(params)
         if params and isinstance(params[0], dict):
             raise ValueError("zero_lab's ZeroRedundancyOptimizer takes a flat list of parameters "
                              "(per-group options would need one flat buffer per option set)")
         params = [p for p in dict.fromkeys(params) if p.requires_grad]  # unique, in order
         groups = make_flat_groups([(f"param{i}", p) for i, p in enumerate(params)][::-1],
-                                  bucket_mb * 2**20)
+                                  bucket_mb * 2**20, transport=transport)
         make: Callable = lambda shards: optimizer_class(shards, **defaults)  # noqa: E731
         # hooks=False: step() calls before_step(), which reduce-scatters the gradients.
         super().__init__(Zero1(groups, variant="reduce_scatter", hooks=False), make)

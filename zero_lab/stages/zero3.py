@@ -74,8 +74,6 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import FlatParamGroup
-from zero_lab.stages.mixed_precision import COMPUTE_DTYPE, to_compute_dtype
-from zero_lab.stages.sharded_optimizer import ShardedOptimizer, check_optimizer
 from zero_lab.stages.units import Unit, plan_units
 from zero_lab.stages.zero2 import Zero2
 
@@ -281,57 +279,34 @@ def _tensors(obj) -> list[torch.Tensor]:
     return []
 
 
-# ============================================================================ shard()
+# ============================================================================ the units
 
 
-def shard_zero3(
-    model: nn.Module,
-    optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] | None = None,
-    prefetch: bool = True,
-    precision: str = "fp32",
-    unit_classes: Sequence[type] | None = None,
-) -> tuple[nn.Module, ShardedOptimizer]:
-    """`shard(model, 3, ...)`, with a choice of units: `unit_classes`, e.g. (Block,), makes
-    every module of those classes a unit, like FSDP's wrapping policy.
+def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport: str,
+               compute_dtype: torch.dtype | None = None
+               ) -> tuple[list[Unit], list[torch.Tensor]]:
+    """Cut `model` into units (units.py) and shard each: returns (units, fp32 slices).
 
-    Same checks and refusals as `shard()`. Every rank starts from rank 0's parameters and
-    buffers. In mixed precision the slices are bf16 (so are the all-gathers and the
-    reduce-scatters) and the optimizer steps fp32 masters of the slice.
+    Every rank starts from rank 0's parameters (one broadcast per unit) and keeps only its
+    slice, in memory of its own. With `compute_dtype` (mixed precision) the slices, and so
+    the all-gathers and reduce-scatters, are in that dtype, and the fp32 slices returned are
+    the masters the optimizer steps; without, the list is empty.
     """
-    from zero_lab import stages  # the package imports this module: look it up at call time
-
-    optimizer = optimizer or stages.default_optimizer
-    stages._check_arguments(3, 25.0, prefetch, precision, "reduce_scatter")
-    stages._check_model(model)
-    probe = [nn.Parameter(torch.zeros(1))]  # try the optimizer function before changing anything
-    check_optimizer(optimizer(probe), probe)
     world, rank = dist.get_world_size(), dist.get_rank()
-    mixed = precision == "mixed"
     units, masters = [], []
     for name, module, named in plan_units(model, unit_classes):
         params = [p for _, p in named]
         names = [n for n, _ in named]
-        group = FlatParamGroup(params, world, rank, names)
+        group = FlatParamGroup(params, world, rank, names, transport=transport)
         flat = group.flatten()
         dist.broadcast(flat, src=0)  # every rank starts from rank 0's parameters
         local = group.shard(flat).clone()  # this rank's slice, in memory of its own
-        if mixed:
-            masters.append(local)  # fp32, taken before anything is rounded to bf16
-            local = local.to(COMPUTE_DTYPE)
+        if compute_dtype is not None:
+            masters.append(local)  # fp32, taken before anything is rounded
+            local = local.to(compute_dtype)
             for p in params:  # the same layout, in the compute dtype
-                p.data = p.data.to(COMPUTE_DTYPE)
-            group = FlatParamGroup(params, world, rank, names)
+                p.data = p.data.to(compute_dtype)
+            group = FlatParamGroup(params, world, rank, names, transport=transport)
         del flat
         units.append(Unit(name, module, group, local))
-    with torch.no_grad():
-        for p in model.parameters():
-            if not p.requires_grad:  # frozen: kept whole on every rank, as in stages 0-2
-                dist.broadcast(p.data, src=0)
-        for buf in model.buffers():
-            dist.broadcast(buf, src=0)
-    if mixed:
-        to_compute_dtype(model, skip={id(p) for unit in units for p in unit.params})
-    sync = Zero3(model, units, prefetch=prefetch)
-    opt = ShardedOptimizer(sync, optimizer, masters if mixed else None)
-    setattr(model, stages.SHARDED_ATTR, opt)  # for full_state_dict(model)
-    return model, opt
+    return units, masters

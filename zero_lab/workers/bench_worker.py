@@ -25,16 +25,14 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from zero_lab.bench import PHASES, SYSTEMS, BenchConfig, Trainer
+from zero_lab.bench_systems import PHASES, SYSTEMS, BenchConfig, Trainer
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
-from zero_lab.measure import MemoryTimeline
+from zero_lab.measured import MemoryTimeline, held_bytes, model_state_tensors
 from zero_lab.workloads import (
     count_parameters,
     deep_mlp,
-    held_bytes,
     mlp_batch,
-    model_state_tensors,
     mse_loss,
     rank_slice,
 )

@@ -20,6 +20,7 @@ from zero_lab.collectives import (
     ring_reduce_scatter,
 )
 from zero_lab.launch import init_worker, report
+from zero_lab.seed_blog import owner_ranks
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--psi", type=int, default=12_000, help="elements in the ledger's message")
@@ -118,7 +119,7 @@ flat_numel = -(-sum(sizes) // n) * n
 flat = torch.randn(flat_numel, device=device)
 shard = torch.empty(flat_numel // n, device=device)
 params = [torch.randn(s, device=device) for s in sizes]
-owner = [i % n for i in range(len(sizes))]  # the seed blog gives whole parameters to ranks
+owner = owner_ranks(len(sizes), n)  # the seed blog gives whole parameters to ranks
 
 
 def seed_zero1_step():

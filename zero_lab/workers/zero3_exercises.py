@@ -11,40 +11,24 @@ SOURCE_FILE holds the learner's functions; they run with `torch`, `dist`, `nn`, 
 the hidden cases on units of odd sizes and reports facts (shapes, values, storages, the
 collectives issued and their bytes); the checks in `zero_lab.grading` turn them into a
 verdict and a hint. An exception is reported with its case, then re-raised so that
-torchrun stops every rank at once instead of leaving the others waiting in a collective.
+torchrun stops every rank at once instead of leaving the others waiting in a collective
+(`zero_lab.exercises.run_exercises`). The learner's functions receive a
+`zero_lab.exercises.BareUnit` (materialize, release) or a `zero_lab.stages.units.Unit`.
 """
 
 from __future__ import annotations
 
 import copy
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zero_lab.collectives import CommLedger
+from zero_lab.exercises import BareUnit, learner_error, ledger_records, run_exercises
 from zero_lab.partition import FlatParamGroup, allocate_storage, free_storage
 from zero_lab.stages.units import Unit
-from zero_lab.workers.stage_exercises import run_exercises
-
-
-class BareUnit:
-    """What `materialize(unit)` and `release(unit)` receive: one unit's buffers, no methods.
-
-    params       the unit's nn.Parameters (at rest each one's .data is its local piece)
-    group        their FlatParamGroup (layout: numel, padded_numel, shard_numel, ...)
-    local        this rank's slice of the flat parameters (S elements, memory of its own)
-    full         the full flat buffer (N·S elements); its storage is freed at rest
-    full_views   parameter-shaped views of `full`, one per parameter
-    local_views  each parameter's 1-D piece of `local` (possibly empty)
-    """
-
-    def __init__(self, unit: Unit) -> None:
-        self.params, self.group = unit.params, unit.group
-        self.local, self.full = unit.local, unit.full
-        self.full_views, self.local_views = unit.full_views, unit.local_views
 
 
 class _Scaled(nn.Module):
@@ -82,16 +66,6 @@ def _make_unit(case: int) -> tuple[nn.Module, nn.Module, Unit, torch.Tensor]:
     return module, reference, unit, x
 
 
-def _comm(ledger: CommLedger) -> list[dict]:
-    return [{"op": r.op, "nbytes": r.nbytes, "in_backward": r.in_backward}
-            for r in ledger.records]
-
-
-def _error(record: dict, exc: BaseException, where: str) -> None:
-    record["error"] = {"type": type(exc).__name__, "message": str(exc), "where": where,
-                       "traceback": traceback.format_exc()}
-
-
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
@@ -119,7 +93,7 @@ def run_materialize_release(materialize, release, out: dict) -> None:
         try:
             with CommLedger() as ledger:
                 materialize(bare)
-            record["materialize_comm"] = _comm(ledger)
+            record["materialize_comm"] = ledger_records(ledger)
             record["shapes_ok"] = all(p.shape == r.shape
                                       for p, r in zip(unit.params, ref_params, strict=True))
             record["values_ok"] = record["shapes_ok"] and all(
@@ -132,7 +106,7 @@ def run_materialize_release(materialize, release, out: dict) -> None:
             loss = module(x).square().sum()  # autograd saves the weight (and views of it)
             with CommLedger() as ledger:
                 release(bare)
-            record["release_comm"] = _comm(ledger)
+            record["release_comm"] = ledger_records(ledger)
             record["same_full"] = bare.full is full_object and unit.full is full_object
             record["freed_bytes"] = full_storage.nbytes()
             record["local_again"] = all(
@@ -154,7 +128,7 @@ def run_materialize_release(materialize, release, out: dict) -> None:
                 p.grad = None
             release(bare)
         except BaseException as exc:
-            _error(record, exc, "materialize/release")
+            record["error"] = learner_error(exc)
             raise
 
 
@@ -202,7 +176,7 @@ def run_post_backward(fn, out: dict) -> None:
                 ok_shape = isinstance(got, torch.Tensor) and got.shape == mean.shape
                 record["calls"].append({
                     "call": call + 1,
-                    "comm": _comm(ledger),
+                    "comm": ledger_records(ledger),
                     "params_freed": unit.full.untyped_storage().nbytes() == 0,
                     "params_local": all(p.shape == v.shape for p, v
                                         in zip(unit.params, unit.local_views, strict=True)),
@@ -219,7 +193,7 @@ def run_post_backward(fn, out: dict) -> None:
                 unit.release()  # whatever fn did, start the next call from rest
                 unit.full_grad = None
         except BaseException as exc:
-            _error(record, exc, f"post_backward, call {len(record['calls']) + 1}")
+            record["error"] = learner_error(exc, f"backward call {len(record['calls']) + 1}")
             raise
 
 

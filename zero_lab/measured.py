@@ -1,6 +1,12 @@
-"""Memory and time measurement that works the same on CPU and CUDA.
+"""Measured memory: the bytes tensors really hold, on CPU and CUDA.
 
-The course's memory claims are checked by counting the bytes that tensors really hold.
+`zero_lab.memory` *predicts* bytes from formulas; this module *measures* them, so a notebook
+can put the two side by side (one vocabulary: predicted vs measured):
+
+    held_bytes(model, opt)      model states held now, by category, the keys of
+                                memory.model_state_bytes: params, grads, optimizer, total
+    PeakMemory / MemoryTimeline the peak of a block of code, or bytes alive after every op
+
 Two tensors that are views of one storage (a parameter viewing a flat buffer, a tied
 weight) share memory, so everything here counts *storages*, once each, never tensors.
 """
@@ -10,6 +16,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 import torch
+from torch import nn
 
 
 def _storage_key(t: torch.Tensor) -> tuple[str, int]:
@@ -73,6 +80,52 @@ def held_model_state_bytes(
         counts[name] = storage_bytes(tensors, seen)
     counts["total"] = sum(counts.values())
     return counts
+
+
+def model_state_tensors(model: nn.Module, optimizer: object | None
+                        ) -> dict[str, list[torch.Tensor]]:
+    """This rank's tensors behind `held_bytes`: {"params", "grads", "optimizer"}.
+
+    As `held_bytes` counts them (fp32 masters as optimizer state); a DTensor (torch FSDP2's
+    parameters, gradients and Adam states) stands for its local shard.
+    """
+    params = list(model.parameters())
+    sync = getattr(optimizer, "sync", None)
+    if sync is not None:
+        params += list(sync.step_params)
+    inner = getattr(optimizer, "optim", optimizer)
+    states = [v for state in (inner.state.values() if inner is not None else ())
+              for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
+    states += list(getattr(optimizer, "master_weights", None) or [])
+    return {"params": [_local(p) for p in params],
+            "grads": [_local(p.grad) for p in params if p.grad is not None],
+            "optimizer": [_local(t) for t in states]}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # a DTensor -> this rank's shard
+
+
+def held_bytes(model: nn.Module, optimizer: object | None) -> dict[str, int]:
+    """Bytes this rank holds in parameters, gradients and optimizer states, by category.
+
+    Works for a plain model + torch optimizer and for `shard()`'s optimizer, whose slices
+    and fp32 masters it adds (masters count as optimizer state, the ZeRO paper's K, which is
+    how `zero_lab.memory.model_state_bytes` predicts them). Storages are counted once.
+    torch FSDP2's DTensors count as their local shards.
+    """
+    if any(hasattr(p, "to_local") for p in model.parameters()):  # torch FSDP2
+        return held_model_state_bytes([], None, model_state_tensors(model, optimizer))
+    params = list(model.parameters())
+    extra: dict[str, list[torch.Tensor]] = {}
+    sync = getattr(optimizer, "sync", None)
+    if sync is not None:  # zero_lab's ShardedOptimizer
+        params += list(sync.step_params)  # views of the flat buffers, plus their gradients
+    extra["master"] = list(getattr(optimizer, "master_weights", None) or [])
+    counts = held_model_state_bytes(params, getattr(optimizer, "optim", optimizer), extra)
+    counts["optimizer"] += counts.pop("master", 0)
+    return counts
+
 
 
 class PeakMemory:

@@ -15,7 +15,7 @@ So on gloo the stages send the bytes themselves (`zero_lab.partition` picks the 
     all-gather       rank r sends its chunk to every other rank and receives theirs in place.
 
 Each rank sends (N-1) chunks: exactly the (N-1)/N of the message a ring sends
-(`collectives.ring_reduce_scatter`, notebook 02). The ring needs N-1 rounds, each waiting
+(`zero_lab.collectives.ring`, notebook 02). The ring needs N-1 rounds, each waiting
 for the last; here every message is posted at once, so the whole collective runs in the
 background behind one handle (`Exchange`), which is what stage 2 needs to overlap it with
 backward. The price, N-1 connections per rank instead of 2, is nothing at the N of one
@@ -33,7 +33,7 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 
-from zero_lab.collectives import recorded_as
+from zero_lab.collectives.ledger import recorded_as
 
 
 class Exchange:

@@ -1,9 +1,9 @@
-"""The graded ZeRO exercises of notebooks 03 and 04, run on every rank of a real process group.
+"""The graded ZeRO exercises of notebooks 03 and 04 (stages 1 and 2), run on every rank.
 
 Started by `zero_lab.grading.check_owned_range`, `check_sharded_step` and `check_bucket_hook`
 (3 ranks, gloo):
 
-    stage_exercises.py SOURCE_FILE EXERCISE:FUNCTION [EXERCISE:FUNCTION ...]
+    zero1_zero2_exercises.py SOURCE_FILE EXERCISE:FUNCTION [EXERCISE:FUNCTION ...]
 
 EXERCISE is "owned_range", "sharded_step" or "bucket_hook". SOURCE_FILE holds the learner's
 functions; they run with `torch`, `dist`, `nn` and `math` already imported. Several pairs run
@@ -11,57 +11,20 @@ in one launch (the tests grade a reference and wrong answers together). Each ran
 hidden cases and reports facts (values, shapes, the collectives the function issued with their
 bytes); the checks in `zero_lab.grading` turn them into a verdict and a hint. An exception is
 reported with its case, then re-raised so that torchrun stops every rank at once instead of
-leaving the others waiting in a collective.
-
-`GradBucket` is the small object the bucketed-hook exercise fills in; notebook 04 imports it.
+leaving the others waiting in a collective (`zero_lab.exercises.run_exercises`).
 """
 
 from __future__ import annotations
 
-import math
 import sys
-import traceback
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.partition import FlatParamGroup, bucket_parameters
-
-
-class GradBucket:
-    """Parameters whose gradients travel together: one flat buffer, one reduce-scatter.
-
-    `group` is the bucket's flat layout (`FlatParamGroup`: `params`, `views(flat)`,
-    `new_full()`, `new_shard()`). While the bucket fills during backward, `full` is its flat
-    gradient buffer (None otherwise) and `arrived` counts the gradients copied into it.
-    `owned_grad` (S elements) accumulates this rank's slice of the averaged gradient.
-    """
-
-    def __init__(self, params: list[nn.Parameter], world_size: int, rank: int) -> None:
-        self.group = FlatParamGroup(params, world_size, rank)
-        self.full: torch.Tensor | None = None
-        self.arrived = 0
-        self.owned_grad = self.group.new_shard()
-        self._position = {id(p): i for i, p in enumerate(params)}
-
-    def index(self, param: torch.Tensor) -> int:
-        """Position of `param` in the bucket (which view of `full` is its gradient)."""
-        return self._position[id(param)]
-
-
-def _error(exc: BaseException) -> dict:
-    """An exception of the learner's function, with the traceback lines inside it."""
-    lines = traceback.format_exc().splitlines()
-    start = next((i for i, ln in enumerate(lines) if "<your function>" in ln), len(lines) - 1)
-    return {"type": type(exc).__name__, "message": str(exc),
-            "where": "\n".join(lines[start:][-6:])}
-
-
-def _describe_comm(ledger) -> list[dict]:
-    return [{"op": r.op, "nbytes": r.nbytes, "in_backward": r.in_backward}
-            for r in ledger.records]
-
+from zero_lab.collectives import CommLedger
+from zero_lab.exercises import GradBucket, learner_error, ledger_records, run_exercises
+from zero_lab.partition import bucket_parameters
 
 # --------------------------------------------------------------------------- owned range
 
@@ -97,9 +60,9 @@ def run_owned_range(fn, out: dict) -> None:
             piece = torch.zeros(size, dtype=torch.float64)
             inside = data[max(start, 0):min(end, total)]
             piece[:inside.numel()] = inside
-            out = torch.empty(total, dtype=torch.float64)
-            dist.all_gather_single(out, piece)
-            roundtrip = bool(torch.equal(out[:numel], data[:numel]))
+            gathered = torch.empty(total, dtype=torch.float64)
+            dist.all_gather_single(gathered, piece)
+            roundtrip = bool(torch.equal(gathered[:numel], data[:numel]))
         cases.append({"numel": numel, "answers": answers, "roundtrip": roundtrip})
 
 
@@ -132,8 +95,6 @@ def run_sharded_step(fn, out: dict) -> None:
     average of all ranks' gradients; element-wise optimizers make the two comparable slice
     by slice. Also reported: what fn sent (ledger), and whether it changed flat_param at all.
     """
-    from zero_lab.collectives import CommLedger
-
     rank, n = dist.get_rank(), dist.get_world_size()
     results = out.setdefault("results", [])
     for c, (numel, opt_name, steps) in enumerate(SHARDED_STEP_CASES):
@@ -161,7 +122,7 @@ def run_sharded_step(fn, out: dict) -> None:
                 with CommLedger() as ledger:
                     fn(flat_param, flat_grad, shard_param, optimizer)
             except BaseException as exc:
-                record["error"] = _error(exc)
+                record["error"] = learner_error(exc)
                 results.append(record)
                 raise
             ref.grad = torch.stack(grads).mean(0)
@@ -180,7 +141,7 @@ def run_sharded_step(fn, out: dict) -> None:
                     "unchanged": bool(torch.equal(flat_param, before)),
                     "expected": ref[:4].tolist(),
                     "got": flat_param[:4].tolist(),
-                    "comm": _describe_comm(ledger),
+                    "comm": ledger_records(ledger),
                     "state_numels": sorted({v.numel() for s in optimizer.state.values()
                                             for v in s.values()
                                             if isinstance(v, torch.Tensor) and v.dim() > 0}),
@@ -226,8 +187,6 @@ def run_bucket_hook(fn, out: dict) -> None:
     still hold a `.grad`, whether `full` buffers were left behind, and the collectives issued
     during backward with their sizes.
     """
-    from zero_lab.collectives import CommLedger
-
     rank, n = dist.get_rank(), dist.get_world_size()
     results = out.setdefault("results", [])
     for c, bucket_bytes in enumerate(BUCKET_BYTES):
@@ -251,7 +210,7 @@ def run_bucket_hook(fn, out: dict) -> None:
                     x, y = _batch(rank, k)
                     nn.functional.mse_loss(model(x), y).backward()
         except BaseException as exc:
-            record["error"] = _error(exc)
+            record["error"] = learner_error(exc)
             results.append(record)
             raise
         finally:
@@ -278,7 +237,7 @@ def run_bucket_hook(fn, out: dict) -> None:
                                     if p.grad is not None),
             "params": len(named),
             "full_left": sum(b.full is not None for b in buckets),
-            "comm": _describe_comm(ledger),
+            "comm": ledger_records(ledger),
         })
         results.append(record)
 
@@ -287,38 +246,8 @@ RUNNERS = {"owned_range": run_owned_range, "sharded_step": run_sharded_step,
            "bucket_hook": run_bucket_hook}
 
 
-def _load(source_file: str, extra: dict | None = None) -> dict:
-    namespace = {"torch": torch, "dist": dist, "nn": nn, "math": math, "__name__": "learner",
-                 **(extra or {})}
-    with open(source_file, encoding="utf-8") as f:
-        exec(compile(f.read(), "<your function>", "exec"), namespace)
-    return namespace
-
-
-def run_exercises(argv: list[str], runners: dict, extra: dict | None = None) -> None:
-    """SOURCE_FILE EXERCISE:FUNCTION[,FUNCTION] [...]: run each in turn on every rank.
-
-    The learner's functions are loaded from SOURCE_FILE (with torch, dist, nn, math and
-    `extra` in scope) and `runners[EXERCISE](*functions, out)` fills a record reported under
-    the key as {"world_size", ...}; reported even when a function raises, with the error in
-    the record of the case that raised. Shared by this worker and zero3_exercises.py.
-    """
-    from zero_lab.launch import init_worker, report
-
-    source_file, *runs = argv
-    namespace = _load(source_file, extra)
-    info = init_worker()
-    for key in runs:
-        exercise, names = key.split(":")
-        out: dict = {"world_size": info.world_size}
-        try:
-            runners[exercise](*(namespace[name] for name in names.split(",")), out)
-        finally:
-            report({key: out})
-
-
 def main(argv: list[str]) -> None:
-    """stage_exercises.py SOURCE_FILE EXERCISE:FUNCTION [EXERCISE:FUNCTION ...]
+    """zero1_zero2_exercises.py SOURCE_FILE EXERCISE:FUNCTION [EXERCISE:FUNCTION ...]
 
     Records hold "results" (or "cases" for owned_range).
     """

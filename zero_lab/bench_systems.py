@@ -1,0 +1,144 @@
+"""What the benchmark trains and how: the systems it races, each built on every rank.
+
+Shared by `zero_lab.bench` (the command, on the parent side: names, labels, the config it
+sends) and `zero_lab/workers/bench_worker.py` (the rank side: builds and trains each system).
+
+Every system trains the same model (the seed blog's deep MLP scaled to `depth` blocks of
+Linear(width, width) + ReLU), with Adam, `batch` rows per rank. A system is a name, labels and
+a builder `build(model, config, device) -> Trainer`, called inside the worker after the
+process group is up; builders import torch inside, so that the parent side stays light.
+To add a system, write a builder and list it in SYSTEMS.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from functools import partial
+
+PHASES = ("forward", "backward", "optimizer.step", "zero_grad")  # how a step is timed
+
+
+@dataclass
+class BenchConfig:
+    """What every system trains: the same model, data, optimizer and bucket size."""
+
+    width: int = 1024
+    depth: int = 6
+    batch: int = 32  # rows per rank; the global batch is batch x N
+    lr: float = 1e-3
+    bucket_mb: float = 25.0  # zero_lab's buckets and DDP's bucket_cap_mb
+    rounds: int = 8
+    steps: int = 10  # timed steps per system per round
+    warmup: int = 3  # untimed steps per system first (>= 2: DDP rebuilds its buckets on step 2)
+    seed: int = 0
+
+
+@dataclass
+class Trainer:
+    """A system ready to train: call `model`, then `optimizer.step()` / `.zero_grad()`.
+
+    `full_weights()` returns {original parameter name: full tensor} on every rank.
+    """
+
+    model: object
+    optimizer: object
+    full_weights: Callable[[], dict]
+
+
+@dataclass(frozen=True)
+class System:
+    """A named way of training the model. `build(model, config, device)` -> Trainer runs
+    inside the worker, on every rank, after the process group is up."""
+
+    name: str
+    label: str
+    build: Callable = field(repr=False)
+    short: str = ""  # a two-line label for figures
+
+
+# ----------------------------------------------------------------------------- builders
+
+
+def _adam(params, config: BenchConfig):
+    import torch
+
+    return torch.optim.Adam(params, lr=config.lr)
+
+
+def _unwrapped_weights(ddp) -> Callable[[], dict]:
+    return lambda: {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+
+
+def _ddp(model, config: BenchConfig, device):
+    from torch.nn.parallel import DistributedDataParallel
+
+    ids = [device] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=config.bucket_mb)
+
+
+def build_ddp(model, config: BenchConfig, device) -> Trainer:
+    """torch's DistributedDataParallel (default settings) + Adam on every parameter."""
+    ddp = _ddp(model, config, device)
+    return Trainer(ddp, _adam(ddp.parameters(), config), _unwrapped_weights(ddp))
+
+
+def build_zero_redundancy(model, config: BenchConfig, device) -> Trainer:
+    """torch's ZeroRedundancyOptimizer (whole parameters per rank, broadcast after the step)
+    over DDP's all-reduced gradients: torch's own ZeRO stage 1."""
+    import torch
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    ddp = _ddp(model, config, device)
+    opt = ZeroRedundancyOptimizer(ddp.parameters(), optimizer_class=torch.optim.Adam,
+                                  lr=config.lr)
+    return Trainer(ddp, opt, _unwrapped_weights(ddp))
+
+
+def build_zero_lab(model, config: BenchConfig, device, stage: int,
+                   prefetch: bool = True, transport: str = "auto") -> Trainer:
+    """zero_lab's `shard(model, stage)`: flat buffers, buckets of `bucket_mb` (stage 3: one
+    flat buffer per unit, each Linear here; `prefetch` gathers the next unit ahead).
+    `transport="torch"` sends through torch's collectives even on gloo."""
+    from zero_lab.stages import full_state_dict, shard
+
+    model, opt = shard(model, stage, optimizer=lambda params: _adam(params, config),
+                       bucket_mb=config.bucket_mb, prefetch=prefetch, transport=transport)
+    return Trainer(model, opt, lambda: full_state_dict(model))
+
+
+def build_fsdp2(model, config: BenchConfig, device) -> Trainer:
+    """torch's FSDP2: `fully_shard` on every block (each Linear), then on the root; Adam on
+    the local shards (DTensors), as torch documents it."""
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if any(p.requires_grad for p in layer.parameters()):
+            fully_shard(layer)
+    fully_shard(model)
+
+    def full_weights() -> dict:
+        return {k: v.full_tensor() if hasattr(v, "full_tensor") else v.detach().clone()
+                for k, v in model.state_dict().items()}
+
+    return Trainer(model, _adam(model.parameters(), config), full_weights)
+
+
+SYSTEMS: dict[str, System] = {s.name: s for s in [
+    System("ddp", "torch DDP", build_ddp, "torch\nDDP"),
+    System("zero_redundancy", "torch ZeroRedundancyOptimizer + DDP", build_zero_redundancy,
+           "torch\nZeroRedundancyOpt."),
+    System("stage0", "zero_lab stage 0", partial(build_zero_lab, stage=0), "zero_lab\nstage 0"),
+    System("stage1", "zero_lab stage 1", partial(build_zero_lab, stage=1), "zero_lab\nstage 1"),
+    System("stage2", "zero_lab stage 2", partial(build_zero_lab, stage=2), "zero_lab\nstage 2"),
+    System("stage3", "zero_lab stage 3 (prefetch)", partial(build_zero_lab, stage=3),
+           "zero_lab\nstage 3"),
+    System("stage3_noprefetch", "zero_lab stage 3, no prefetch",
+           partial(build_zero_lab, stage=3, prefetch=False), "zero_lab st. 3\nno prefetch"),
+    System("fsdp2", "torch FSDP2 (fully_shard)", build_fsdp2, "torch\nFSDP2"),
+    # The same stages sending through torch's collectives (on gloo: its reduce-scatter is an
+    # all-reduce in disguise; see collectives/exchange.py): what the direct exchange buys.
+    *[System(f"stage{s}_torch", f"zero_lab stage {s}, torch's collectives",
+             partial(build_zero_lab, stage=s, transport="torch"),
+             f"zero_lab st. {s}\ntorch coll.") for s in (1, 2, 3)],
+]}

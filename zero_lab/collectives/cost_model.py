@@ -1,0 +1,275 @@
+"""What a collective costs: bytes each rank sends, and time from a fitted alpha-beta model.
+
+How many bytes does a rank send? (the ring algorithm, N ranks, a message of `nbytes`)
+    reduce-scatter, all-gather: (N-1)/N x nbytes     all-reduce: 2(N-1)/N x nbytes
+    broadcast: nbytes (the root must send every byte once)
+The ZeRO paper drops the (N-1)/N and counts an all-reduce of Ψ elements as 2Ψ and a
+reduce-scatter or all-gather as Ψ (`zero_volume`); the ledger reports both conventions.
+
+How long does it take? Time each collective over message sizes (`time_collective`, `sweep`,
+inside a process group), fit a per-message latency alpha and a bandwidth beta by least
+squares (`fit_alpha_beta`), report algorithm and bus bandwidth as nccl-tests defines them
+(`algbw`, `busbw`), and predict: t = ring_steps x alpha + ring_bytes_sent / beta.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+# The collectives the course times and models. Sizes follow nccl-tests: for all-reduce and
+# broadcast the buffer; for reduce-scatter the (full) input; for all-gather the (full) output.
+RING_OPS = ("all_reduce", "reduce_scatter", "all_gather", "broadcast")
+
+
+# --------------------------------------------------------------------------- bytes sent
+
+
+def bus_factor(op: str, world_size: int) -> float:
+    """busbw / algbw for `op` on `world_size` ranks, as nccl-tests defines it.
+
+    It is also the fraction of the message each rank sends under the ring algorithm, which
+    is why bus bandwidth can be compared with a link's peak bandwidth whatever N is.
+    """
+    n = world_size
+    if n < 1:
+        raise ValueError(f"world_size must be >= 1, got {n}")
+    if n == 1 or op in ("recv", "barrier"):
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) / n
+    if op in ("reduce_scatter", "all_gather", "all_to_all", "gather", "scatter"):
+        return (n - 1) / n
+    if op in ("broadcast", "reduce", "send"):
+        return 1.0
+    raise ValueError(f"unknown collective {op!r}; expected one of {RING_OPS} or p2p/others")
+
+
+def ring_bytes_sent(op: str, nbytes: int, world_size: int) -> float:
+    """Bytes one rank sends for `op` on a message of `nbytes` under the ring algorithm.
+
+    Exact (an integer value) when `nbytes` splits into N equal chunks, as in every ZeRO stage
+    whose flat buffers are padded to a multiple of N.
+    """
+    n = world_size
+    if n == 1 or op in ("recv", "barrier"):
+        return 0.0
+    if op == "all_reduce":
+        return 2 * (n - 1) * nbytes / n
+    if op in ("reduce_scatter", "all_gather", "all_to_all", "gather", "scatter"):
+        return (n - 1) * nbytes / n
+    return float(nbytes) * bus_factor(op, n)
+
+
+def ring_steps(op: str, world_size: int) -> int:
+    """Messages each rank sends one after another: the number of alpha latencies paid.
+
+    A ring reduce-scatter or all-gather takes N-1 steps, an all-reduce 2(N-1); a pipelined
+    ring broadcast needs N-1 hops before the last rank has the first byte.
+    """
+    n = world_size
+    if n == 1:
+        return 0
+    if op == "all_reduce":
+        return 2 * (n - 1)
+    if op in ("reduce_scatter", "all_gather", "broadcast", "all_to_all", "gather", "scatter",
+              "reduce"):
+        return n - 1
+    if op == "send":
+        return 1
+    return 0
+
+
+def zero_volume(op: str, nbytes: int) -> int:
+    """Volume in the ZeRO paper's convention (no (N-1)/N): all-reduce 2x, others 1x, recv 0."""
+    if op in ("recv", "barrier"):
+        return 0
+    return 2 * nbytes if op == "all_reduce" else nbytes
+
+
+# --------------------------------------------------------------------------- time
+
+
+def message_sizes(min_bytes: int = 1 << 10, max_bytes: int = 64 << 20,
+                  factor: int = 4) -> list[int]:
+    """Geometric message sizes from `min_bytes` to `max_bytes` (both included when reachable)."""
+    if min_bytes < 1 or max_bytes < min_bytes or factor < 2:
+        raise ValueError("need 1 <= min_bytes <= max_bytes and factor >= 2")
+    sizes, size = [], min_bytes
+    while size <= max_bytes:
+        sizes.append(size)
+        size *= factor
+    return sizes
+
+
+def _buffers(op: str, nbytes: int, n: int, device, dtype) -> tuple[int, tuple]:
+    """Tensors for one call of `op` on a message of about `nbytes` (rounded to N elements)."""
+    elem = torch.empty((), dtype=dtype).element_size()
+    numel = max(n, nbytes // elem // n * n)  # N equal chunks, so every op is well defined
+    full = torch.ones(numel, dtype=dtype, device=device)
+    part = torch.empty(numel // n, dtype=dtype, device=device)
+    return numel * elem, {"all_reduce": (full,), "broadcast": (full,),
+                          "reduce_scatter": (part, full), "all_gather": (full, part)}[op]
+
+
+def _call(op: str, bufs: tuple) -> None:
+    if op == "all_reduce":
+        dist.all_reduce(bufs[0])
+    elif op == "broadcast":
+        dist.broadcast(bufs[0], src=0)
+    elif op == "reduce_scatter":
+        dist.reduce_scatter_single(bufs[0], bufs[1])
+    elif op == "all_gather":
+        dist.all_gather_single(bufs[0], bufs[1])
+    else:
+        raise ValueError(f"cannot time {op!r}; choose from {RING_OPS}")
+
+
+def _sync(device) -> None:
+    if torch.device(device).type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _slowest(seconds: float, device) -> float:
+    """The largest value over ranks: a collective is as slow as its slowest rank."""
+    t = torch.tensor([seconds], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def time_collective(op: str, nbytes: int, repeats: int = 3, target_s: float = 0.01,
+                    device="cpu", dtype=torch.float32) -> dict:
+    """Time torch's `op` on a message of about `nbytes` inside an initialised process group.
+
+    One warm-up call; then the calls are repeated back to back in batches lasting about
+    `target_s` (so microsecond latencies are not lost in timer noise), `repeats` batches.
+    Returns {"op", "nbytes", "world_size", "seconds"}: the per-call time of the slowest rank
+    in the fastest batch (other processes sharing the machine can only add time, so the
+    fastest batch is the least disturbed), and `nbytes` the exact size used (rounded down
+    to N equal chunks).
+    """
+    n = dist.get_world_size()
+    nbytes, bufs = _buffers(op, nbytes, n, device, dtype)
+    dist.barrier()
+    start = time.perf_counter()
+    _call(op, bufs)
+    _sync(device)
+    one = _slowest(time.perf_counter() - start, device)  # all ranks agree on the batch size
+    calls = int(min(1000, max(1, target_s / max(one, 1e-7))))
+    per_call = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        for _ in range(calls):
+            _call(op, bufs)
+        _sync(device)
+        per_call.append(_slowest((time.perf_counter() - start) / calls, device))
+    return {"op": op, "nbytes": nbytes, "world_size": n, "seconds": min(per_call)}
+
+
+def sweep(ops: Iterable[str] = RING_OPS, sizes: Iterable[int] | None = None, repeats: int = 3,
+          target_s: float = 0.01, device="cpu") -> list[dict]:
+    """`time_collective` for every op and size; call it on every rank of a process group."""
+    sizes = list(sizes) if sizes is not None else message_sizes()
+    return [time_collective(op, s, repeats, target_s, device) for op in ops for s in sizes]
+
+
+def algbw(nbytes: float, seconds: float) -> float:
+    """Algorithm bandwidth (bytes/s), nccl-tests: message size / time."""
+    return nbytes / seconds
+
+
+def busbw(op: str, nbytes: float, seconds: float, world_size: int) -> float:
+    """Bus bandwidth (bytes/s), nccl-tests: algbw x bus_factor(op, N).
+
+    It equals the bytes each rank sends under the ring algorithm divided by the time, so it
+    is comparable to a link's bandwidth for any op and any N.
+    """
+    return algbw(nbytes, seconds) * bus_factor(op, world_size)
+
+
+@dataclass(frozen=True)
+class AlphaBeta:
+    """t = ring_steps(op, N) x alpha + ring_bytes_sent(op, nbytes, N) / beta.
+
+    `alpha`: seconds of latency per message (one ring step); `beta`: bytes/s one rank can
+    push to its neighbour (the bus bandwidth the op achieves on large messages).
+    """
+
+    alpha: float
+    beta: float
+
+    def time(self, op: str, nbytes: float, world_size: int) -> float:
+        return (ring_steps(op, world_size) * self.alpha
+                + ring_bytes_sent(op, nbytes, world_size) / self.beta)
+
+
+@dataclass(frozen=True)
+class AlphaBetaModel:
+    """A fitted AlphaBeta per op, plus `pooled`, fitted to all ops at once."""
+
+    per_op: dict[str, AlphaBeta]
+    pooled: AlphaBeta
+
+    def predict(self, op: str, nbytes: float, world_size: int) -> float:
+        """Predicted seconds for `op` on `nbytes` over `world_size` ranks.
+
+        Uses the op's own fit when it was measured, else the pooled one. Across world sizes
+        this assumes every ring link is as fast as the measured ones (true inside one NVLink
+        or one CPU box, not across a slower network).
+        """
+        return self.per_op.get(op, self.pooled).time(op, nbytes, world_size)
+
+
+def fit_alpha_beta_points(steps: Sequence[float], sent: Sequence[float],
+                          seconds: Sequence[float]) -> AlphaBeta:
+    """Least-squares fit of t = steps x alpha + sent / beta, in relative error.
+
+    The sizes span five decades, so plain least squares would fit only the largest
+    messages; dividing each equation by its measured time weighs every point alike.
+    alpha is clipped at zero (a negative latency is noise on a bandwidth-bound fit).
+    """
+    import numpy as np
+
+    s, b, t = (np.asarray(x, dtype=np.float64) for x in (steps, sent, seconds))
+    if len(t) < 2 or np.any(t <= 0):
+        raise ValueError("need at least two timings, all positive")
+    design = np.stack([s / t, b / t], axis=1)
+    (alpha, inv_beta), *_ = np.linalg.lstsq(design, np.ones_like(t), rcond=None)
+    if alpha < 0:  # refit bandwidth alone
+        alpha = 0.0
+        inv_beta = float(np.sum(b / t) / np.sum((b / t) ** 2))
+    if inv_beta <= 0:
+        raise ValueError("the timings do not grow with message size; cannot fit a bandwidth")
+    return AlphaBeta(alpha=float(alpha), beta=float(1.0 / inv_beta))
+
+
+def fit_alpha_beta(timings: Iterable[dict]) -> AlphaBetaModel:
+    """Fit the model to `time_collective` results (dicts with op, nbytes, world_size, seconds)."""
+    timings = [t for t in timings if t["world_size"] > 1]
+    if not timings:
+        raise ValueError("no timings with world_size > 1 (one rank sends nothing)")
+
+    def fit(rows):
+        return fit_alpha_beta_points(
+            [ring_steps(r["op"], r["world_size"]) for r in rows],
+            [ring_bytes_sent(r["op"], r["nbytes"], r["world_size"]) for r in rows],
+            [r["seconds"] for r in rows])
+
+    order = {op: i for i, op in enumerate(RING_OPS)}  # course order, then any others
+    ops = sorted({t["op"] for t in timings}, key=lambda o: (order.get(o, len(order)), o))
+    per_op = {op: fit([t for t in timings if t["op"] == op]) for op in ops}
+    return AlphaBetaModel(per_op=per_op, pooled=fit(timings))
+
+
+def describe_bytes(nbytes: float) -> str:
+    """'1.0 KiB', '64.0 MiB', ... for tables and axis labels."""
+    if nbytes < 1024:
+        return f"{nbytes:.0f} B"
+    exp = min(int(math.log(nbytes, 1024)), 4)
+    return f"{nbytes / 1024 ** exp:.1f} {['B', 'KiB', 'MiB', 'GiB', 'TiB'][exp]}"

@@ -1,0 +1,149 @@
+"""The grading framework: hidden cases, the comparison, and the learner-facing failure.
+
+A check either prints one short line ("check_<name>: 6/6 hidden cases pass") or raises
+`ExerciseFailed`, whose message names the failing case, the expected and the received value,
+and a hint. In Jupyter the failure shows as that message alone, never as a traceback.
+
+How to write a check (for course authors; put it in the module of its notebook)
+-------------------------------------------------------------------------------
+    def check_ring_allreduce(fn: Callable) -> None:
+        \"\"\"Notebook 02: the learner's ring all-reduce on lists of floats.\"\"\"
+        run_cases("check_ring_allreduce", fn, [
+            Case(args=([[1.0], [2.0]],), expected=[[3.0], [3.0]],
+                 hint="every rank must end with the sum of all ranks' inputs"),
+            ...
+        ])
+
+- `Case(args, kwargs, expected, hint, label)`: `expected` is computed by the reference
+  implementation (import it from the package; never paste numbers), `hint` says what a
+  learner who fails *this* case most likely got wrong.
+- `run_cases` compares with `same()` (exact for ints and strings, relative 1e-6 for floats,
+  key by key for dicts, element by element for lists, `allclose` for tensors); pass
+  `compare=` for anything else, or `wrong_answers=` to recognise known mistakes by value.
+- A check that needs more than input -> output (e.g. run the learner's code on several
+  ranks, `remote.py`) builds its own logic and ends with `passed(name, detail)` or `fail(...)`.
+- Export it from `zero_lab/grading/__init__.py`. Tests call every `check_*` with the
+  reference (must pass), a stub that raises NotImplementedError (must fail) and at least one
+  plausible wrong answer.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# What a learner whose function is still the student copy's stub should do.
+NOT_IMPLEMENTED_HINT = "replace the `raise NotImplementedError` line"
+
+
+class ExerciseFailed(AssertionError):
+    """A check rejected the learner's function. The message says why and how to fix it."""
+
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing a traceback: the learner sees only the
+        # message, which already names the case, expected vs got, and a hint.
+        return ["\x1b[31m✗ " + str(self) + "\x1b[0m"]
+
+
+@dataclass
+class Case:
+    """One hidden test case: call fn(*args, **kwargs) and compare with `expected`."""
+
+    args: tuple = ()
+    kwargs: dict = field(default_factory=dict)
+    expected: Any = None
+    hint: str = ""
+    label: str = ""
+
+    def describe(self) -> str:
+        if self.label:
+            return self.label
+        parts = [repr(a) for a in self.args] + [f"{k}={v!r}" for k, v in self.kwargs.items()]
+        return f"({', '.join(parts)})"
+
+
+def same(expected: Any, got: Any, rel: float = 1e-6) -> bool:
+    """True when `got` equals `expected`: exact ints/strings, floats to `rel`, recursively."""
+    if isinstance(expected, dict):
+        return (
+            isinstance(got, dict)
+            and set(expected) <= set(got)
+            and all(same(v, got[k], rel) for k, v in expected.items())
+        )
+    if isinstance(expected, (list, tuple)):
+        return (
+            isinstance(got, (list, tuple))
+            and len(got) == len(expected)
+            and all(same(e, g, rel) for e, g in zip(expected, got, strict=True))
+        )
+    if hasattr(expected, "shape") and hasattr(expected, "dtype"):  # a tensor or an array
+        try:
+            import torch
+
+            return torch.allclose(torch.as_tensor(got), torch.as_tensor(expected), rtol=rel)
+        except (TypeError, RuntimeError, ValueError):
+            return False
+    if isinstance(expected, bool) or isinstance(expected, str):
+        return got == expected
+    if isinstance(expected, (int, float)):
+        if isinstance(got, bool) or not isinstance(got, (int, float)):
+            # accept numpy / torch scalars, which carry .item()
+            if not hasattr(got, "item"):
+                return False
+            got = got.item()
+        if isinstance(expected, int) and isinstance(got, int):
+            return got == expected
+        return math.isclose(float(got), float(expected), rel_tol=rel, abs_tol=0.0)
+    return got == expected
+
+
+def fail(name: str, message: str, hint: str = "") -> None:
+    """Stop the check with a learner-facing message (raises ExerciseFailed, no chained cause)."""
+    text = f"{name}: {message}"
+    if hint:
+        text += f"\n  hint: {hint}"
+    raise ExerciseFailed(text) from None
+
+
+def passed(name: str, detail: str) -> None:
+    """Print the one-line success message every check ends with."""
+    print(f"✓ {name}: {detail}")
+
+
+def run_cases(
+    name: str,
+    fn: Callable,
+    cases: Sequence[Case],
+    compare: Callable[[Any, Any], bool] = same,
+    wrong_answers: Sequence[tuple[Callable[..., Any], str]] = (),
+) -> None:
+    """Run `fn` on every hidden case; print a pass line or raise ExerciseFailed on the first miss.
+
+    `wrong_answers` lists (mistaken_function, explanation) pairs: when the learner's value
+    equals what a known mistake would return on that case, its explanation replaces the
+    case's hint (all of them, if several mistakes give the same value).
+    """
+    if not callable(fn):
+        fail(name, f"expected a function, got {type(fn).__name__}", "pass the function itself")
+    for i, case in enumerate(cases, start=1):
+        where = f"case {i}/{len(cases)} {case.describe()}"
+        try:
+            got = fn(*case.args, **case.kwargs)
+        except NotImplementedError:
+            fail(name, "not implemented yet", NOT_IMPLEMENTED_HINT)
+        except Exception as exc:  # show the learner's error as one line, not a traceback
+            fail(name, f"{where} raised {type(exc).__name__}: {exc}", case.hint)
+        if compare(case.expected, got):
+            continue
+        known = []  # every known mistake that produces exactly this wrong value
+        for mistake, explanation in wrong_answers:
+            try:
+                if compare(mistake(*case.args, **case.kwargs), got):
+                    known.append(explanation)
+            except Exception:  # a mistake model that does not apply to this case
+                continue
+        diagnosis = "\n  or: ".join(known) if known else case.hint
+        fail(name, f"{where}\n  expected: {case.expected!r}\n  got:      {got!r}", diagnosis)
+    passed(name, f"{len(cases)}/{len(cases)} hidden cases pass")

@@ -1,0 +1,123 @@
+"""Notebook 02's checks: the ring reduce-scatter on 3 ranks, and what a ring sends.
+
+`check_ring_reduce_scatter` runs the learner's ring, built from isend/irecv, on 3 gloo ranks
+(zero_lab/workers/ring_exercise.py) next to `dist.reduce_scatter_single`; the ranks report
+values, the collectives issued and the bytes sent, and `judge_ring_reduce_scatter` decides.
+`check_ring_bytes_sent` is plain input -> output against `zero_lab.collectives`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from zero_lab.grading.framework import Case, fail, passed, run_cases
+from zero_lab.grading.remote import RankExercise, run_exercise
+
+
+def _ring_probe() -> tuple:
+    import torch
+
+    return torch.zeros(1), torch.zeros(3)
+
+
+RING_REDUCE_SCATTER = RankExercise("ring_exercise.py", "ring_reduce_scatter", _ring_probe)
+# A ring hangs when a message is never sent, not when a collective is skipped.
+RING_HANG_HINT = ("a rank is waiting for a message no rank sends. Post the step's isend AND "
+                  "irecv before waiting on either; send to (rank + 1) % N, receive from "
+                  "(rank - 1) % N; every rank must run the same number of steps (N - 1)")
+
+
+def check_ring_reduce_scatter(fn: Callable, timeout: float = 120.0) -> None:
+    """Notebook 02: fn(output, input), a ring reduce-scatter (SUM) on isend/irecv only.
+
+    Runs the learner's function (from its source) on 3 ranks under gloo, with chunk sizes 1,
+    5, 7, 1001 and a 2-D output (zero_lab/workers/ring_exercise.py), and compares every
+    rank's output with `dist.reduce_scatter_single`. The ledger must show no collective and
+    exactly (N-1)/N of the input sent; the input must be left unchanged.
+    """
+    name = "check_ring_reduce_scatter"
+    reports = run_exercise(name, RING_REDUCE_SCATTER, [fn], timeout, RING_HANG_HINT)
+    judge_ring_reduce_scatter(name, reports)
+
+
+def judge_ring_reduce_scatter(name: str, reports: list[dict]) -> None:
+    """The verdict on every rank's report: no collective, input intact, values, bytes sent."""
+    cases = reports[0]["results"]
+    nproc = reports[0]["world_size"]
+    for rank, report in enumerate(reports):
+        for case in report["results"]:
+            where = f"case {case['case']}/{len(cases)} ({case['label']}), rank {rank}"
+            if case["collectives"]:
+                fail(name, f"{where}: your function called {', '.join(case['collectives'])}",
+                     "build it from dist.isend / dist.irecv only: the point is to see how "
+                     "torch's collective works inside")
+            if case["input_modified"]:
+                fail(name, f"{where}: `input` was modified",
+                     "accumulate partial sums in a copy (input.clone()), as torch does")
+            if not case["ok"]:
+                detail = (f"{where}\n  expected (first values): {case['expected']}"
+                          f"\n  got:                     {case['got']}")
+                if case["got"] == case["own_chunk"]:
+                    hint = ("this rank kept its own chunk r without the other ranks' "
+                            "contributions: at each step add the incoming chunk to yours")
+                elif case["got"][:1] == [-7] or case["got"][:1] == [-7.0]:
+                    hint = "output was never written: copy the finished chunk into it"
+                else:
+                    hint = ("step s: send chunk (rank - s - 1) % N to the right, receive chunk "
+                            "(rank - s - 2) % N from the left and add it; after N - 1 steps "
+                            "chunk `rank` holds the full sum")
+                fail(name, detail, hint)
+            if case["sent_bytes"] != case["expected_sent_bytes"]:
+                fail(name, f"{where}: right values, but this rank sent {case['sent_bytes']:.0f} "
+                           f"bytes; the ring sends exactly (N-1)/N of the input = "
+                           f"{case['expected_sent_bytes']} bytes",
+                     "send one chunk (input.numel() / N elements) per step, N - 1 steps")
+    passed(name, f"{len(cases)}/{len(cases)} cases pass on {nproc} ranks: same as "
+                 "dist.reduce_scatter_single, isend/irecv only, (N-1)/N of the input sent")
+
+
+def check_ring_bytes_sent(fn: Callable) -> None:
+    """Notebook 02: fn(op, nbytes, world_size) -> bytes one rank sends under the ring algorithm.
+
+    op is "all_reduce", "reduce_scatter", "all_gather" or "broadcast"; nbytes the full message
+    (reduce-scatter input, all-gather output), as nccl-tests and `zero_lab.collectives` count.
+    """
+    from zero_lab.collectives import ring_bytes_sent
+
+    configs = [
+        ("all_reduce", 4_000_000_000, 8),  # a 1B-parameter fp32 gradient on 8 GPUs
+        ("all_reduce", 1024, 2),
+        ("reduce_scatter", 2_000_000_000, 4),
+        ("all_gather", 3 * 2**20, 3),
+        ("all_gather", 1000, 2),
+        ("reduce_scatter", 64 * 2**20, 64),
+        ("broadcast", 4096, 4),
+        ("all_reduce", 12, 1),
+    ]
+    hints = {
+        "all_reduce": "all-reduce = reduce-scatter + all-gather: two phases of N-1 chunks",
+        "reduce_scatter": "N-1 steps, one chunk of nbytes/N per step",
+        "all_gather": "N-1 steps, one chunk of nbytes/N per step",
+        "broadcast": "every byte has to leave the root once",
+    }
+    cases = [Case(args=(op, nbytes, n), expected=ring_bytes_sent(op, nbytes, n),
+                  hint=hints[op] + ("; one rank sends nothing" if n == 1 else ""))
+             for op, nbytes, n in configs]
+    run_cases(
+        "check_ring_bytes_sent",
+        fn,
+        cases,
+        wrong_answers=[
+            (lambda op, nbytes, n: 2 * nbytes if op == "all_reduce" else nbytes,
+             "that is the ZeRO paper's rounded volume: a rank does not send its own chunk, so "
+             "each phase sends (N-1)/N of the message, not all of it"),
+            (lambda op, nbytes, n: (n - 1) * nbytes,
+             "each step sends one chunk, nbytes/N, not the whole message"),
+            (lambda op, nbytes, n: (n - 1) / n * nbytes if op == "all_reduce"
+             else ring_bytes_sent(op, nbytes, n),
+             "all-reduce has two phases (reduce-scatter, then all-gather): 2(N-1)/N"),
+            (lambda op, nbytes, n: (n - 1) / n * nbytes * (2 if op == "all_reduce" else 1),
+             "broadcast cannot split the work: the root must send all nbytes itself "
+             "(nccl-tests' bus factor 1)"),
+        ],
+    )

@@ -1,0 +1,157 @@
+"""Running the learner's functions on N ranks: the grader's half of a graded launch.
+
+Notebooks 02 to 05 grade code that only means something inside a process group. Each such
+exercise is a `RankExercise`: the rank script in zero_lab/workers/ that runs it, its name
+there, and the dummy arguments a stub is tried on. `run_on_ranks` reads each function's
+source, fails a stub at once (starting no rank), writes the sources to one file, starts the
+script on 3 gloo ranks and returns what every rank reported, per "exercise:fn[,fn]" key. A
+learner's exception on any rank, or a hang, becomes an ExerciseFailed naming the case. The
+ranks report facts; each check's judge (in its notebook's module) turns them into a verdict
+and a hint.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import tempfile
+import textwrap
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from zero_lab.grading.framework import NOT_IMPLEMENTED_HINT, fail
+from zero_lab.launch import LaunchError, LaunchTimeout, torchrun
+from zero_lab.paths import WORKERS
+
+RANKS = 3  # enough for a middle rank, a remainder and a ring that wraps around
+# What a timeout most often means; a check passes its own hint when it knows better.
+HANG_HINT = ("a rank is waiting in a collective that another rank never called: every rank "
+             "must issue the same collectives, in the same order, with the same sizes")
+
+
+@dataclass(frozen=True)
+class RankExercise:
+    """An exercise graded on ranks: `script` in zero_lab/workers/ runs it under `name`.
+
+    `probe()` returns fresh dummy arguments for one call outside any process group: a stub
+    raises NotImplementedError on them at once, a real attempt fails at its first collective.
+    """
+
+    script: str
+    name: str
+    probe: Callable[[], tuple]
+
+
+def exercise_key(exercise: RankExercise, fns: Sequence[Callable]) -> str:
+    """The key a rank reports one run under: "exercise:function[,function]"."""
+    return f"{exercise.name}:{','.join(fn.__name__ for fn in fns)}"
+
+
+def function_source(check: str, fn: Callable) -> str:
+    """The source of a function defined with `def` (in a notebook cell or a module)."""
+    if not callable(fn):
+        fail(check, f"expected a function, got {type(fn).__name__}", "pass the function itself")
+    if getattr(fn, "__name__", "<lambda>") == "<lambda>":
+        fail(check, "pass a function defined with `def`, not a lambda",
+             "the ranks run your function from its source, so it needs a name")
+    try:
+        return textwrap.dedent(inspect.getsource(fn))
+    except (OSError, TypeError):
+        fail(check, "cannot read the source of your function",
+             "define it with `def` in a notebook cell (or a .py file) and pass it")
+    raise AssertionError("unreachable")
+
+
+def is_stub(fn: Callable, args: tuple) -> bool:
+    """Does fn raise NotImplementedError at once? (A stub fails without starting any rank.)"""
+    try:
+        fn(*args)
+    except NotImplementedError:
+        return True
+    except Exception:  # noqa: BLE001 - expected: no process group in this process
+        return False
+    return False
+
+
+def run_on_ranks(check: str, runs: Sequence[tuple[RankExercise, Sequence[Callable]]],
+                 timeout: float = 180.0, hang_hint: str = HANG_HINT,
+                 nproc: int = RANKS) -> dict[str, list[dict]]:
+    """Run each (exercise, functions), all in one launch of their script on `nproc` ranks.
+
+    Returns {exercise_key: [the report of rank 0, rank 1, ...]}. Several runs share a launch
+    (the tests grade a reference and its wrong answers together); they must share a script.
+    """
+    scripts = {exercise.script for exercise, _ in runs}
+    if len(scripts) != 1:
+        raise ValueError(f"one launch runs one script, got {sorted(scripts)}")
+    sources = {}
+    for exercise, fns in runs:
+        for fn in fns:
+            sources[fn.__name__] = function_source(check, fn)
+            if is_stub(fn, exercise.probe()):
+                fail(check, "not implemented yet", NOT_IMPLEMENTED_HINT)
+    keys = [exercise_key(exercise, fns) for exercise, fns in runs]
+
+    folder = Path(tempfile.mkdtemp(prefix=f"zero_lab-{check}-"))
+    (folder / "learner.py").write_text("\n\n".join(sources.values()), encoding="utf-8")
+    try:
+        result = torchrun(WORKERS / scripts.pop(), nproc=nproc, timeout=timeout,
+                          backend="gloo", stream=False,
+                          args=[str(folder / "learner.py"), *keys])
+    except LaunchTimeout:
+        fail(check, f"the {nproc} ranks did not finish within {timeout:.0f} s", hang_hint)
+    except LaunchError as exc:
+        explain_rank_error(check, exc, nproc)
+    return {key: [rank_report[key] for rank_report in result.ranks] for key in keys}
+
+
+def run_exercise(check: str, exercise: RankExercise, fns: Sequence[Callable],
+                 timeout: float = 180.0, hang_hint: str = HANG_HINT) -> list[dict]:
+    """The per-rank reports of one exercise, in a launch of its own (what a check does)."""
+    runs = run_on_ranks(check, [(exercise, fns)], timeout, hang_hint)
+    return runs[exercise_key(exercise, fns)]
+
+
+def explain_rank_error(check: str, exc: LaunchError, nproc: int) -> None:
+    """Turn a failed launch into the learner's own error, with the case it failed on.
+
+    Reads the ranks' reports: records with an "error" (a `zero_lab.exercises.learner_error`)
+    under "results", at the top level or under any key, or a top-level "error" record.
+    """
+    for rank in range(nproc):
+        path = Path(exc.run_dir or ".") / f"rank{rank}.json"
+        if not path.exists():
+            continue
+        data = json.loads(path.read_text())
+        blocks = [data] + [v for v in data.values() if isinstance(v, dict)]
+        records = [r for b in blocks for r in b.get("results", []) if isinstance(r, dict)]
+        if isinstance(data.get("error"), dict):
+            records.append({**data["error"], "error": data["error"]})
+        for record in records:
+            error = record.get("error")
+            if not error:
+                continue
+            if error["type"] == "NotImplementedError":
+                fail(check, "not implemented yet", NOT_IMPLEMENTED_HINT)
+            hint = ("your function runs on its own on each rank: use only its arguments, "
+                    "torch, dist, nn and math (import anything else inside it)"
+                    if error["type"] == "NameError" else "")
+            during = f" in {error['during']}" if error.get("during") else ""
+            where = "\n".join(error.get("where", "").strip().splitlines()[-6:])
+            fail(check, f"case {record.get('case', '?')} ({record.get('label', '')}) raised"
+                        f"{during} on rank {rank}: {error['type']}: {error['message']}"
+                        + (f"\n{where}" if where else ""), hint)
+    text = str(exc)
+    if "NotImplementedError" in text:
+        fail(check, "not implemented yet", NOT_IMPLEMENTED_HINT)
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    fail(check, "a rank failed: " + (lines[0] if lines else "unknown error"),
+         "\n".join(lines[-6:]))
+
+
+def comm_summary(comm: list[dict]) -> str:
+    """What a rank sent, for a message: "reduce_scatter of 96 bytes, all_gather of 96 bytes"."""
+    if not comm:
+        return "no collectives"
+    return ", ".join(f"{c['op']} of {c['nbytes']} bytes" for c in comm)

@@ -1,0 +1,158 @@
+"""The seed blog's deep MLP (scaled down), trained under each requested run on every rank.
+
+Notebooks 03 and 04 launch it, each asking for the runs it teaches. `--runs` is JSON
+{label: options}: options are keyword arguments of `zero_lab.stages.shard` ({"stage": 1},
+{"stage": 1, "zero1_variant": "all_reduce"}, {"stage": 2, "bucket_mb": 4}) or {"blog": 1}
+/ {"blog": 2}, the seed blog's own ZeRO-1 / ZeRO-2 (`zero_lab.seed_blog.BlogZero`).
+
+Every rank first trains one plain model on the whole global batch: the reference. Each run
+then starts from the same initialisation and trains the ordinary loop (forward, backward,
+`opt.step()`, `opt.zero_grad()`) on this rank's share of each global batch; its last step is
+measured. Per run it reports what this rank holds after backward, its peak during that step
+(`zero_lab.measured.PeakMemory`), every collective the step issued (`CommLedger`), the median
+time of the other steps, and how far the trained weights end from the reference.
+
+With --time-collectives (notebook 03) it also reports what the backend's own profiler shows
+for one `reduce_scatter_single`, and the best-of-9 times of three ways to reduce a gradient
+buffer the size of the model: all-reduce, torch's reduce-scatter, zero_lab's direct exchange.
+
+    deep_mlp_runs.py --width 512 --depth 6 --batch 16 --steps 6 \\
+        --runs '{"stage 1": {"stage": 1}, "blog ZeRO-2": {"blog": 2}}' [--time-collectives]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile
+
+from zero_lab.collectives import CommLedger, exchange
+from zero_lab.launch import init_worker, report
+from zero_lab.seed_blog import BlogZero
+from zero_lab.stages import full_state_dict, shard
+from zero_lab.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice, train
+
+MiB = 2**20
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--width", type=int, default=512)
+    parser.add_argument("--depth", type=int, default=6)
+    parser.add_argument("--batch", type=int, default=16)  # the global batch, split over ranks
+    parser.add_argument("--steps", type=int, default=6)  # training steps per run
+    parser.add_argument("--runs", default='{"stage 0": {"stage": 0}, "stage 1": {"stage": 1}}',
+                        help="JSON {label: shard() options, or {\"blog\": 1 or 2}}")
+    parser.add_argument("--time-collectives", action="store_true",
+                        help="also profile one reduce-scatter and time three reductions")
+    return parser.parse_args()
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
+
+
+def build(args, how: dict, device: torch.device):
+    """A fresh model from seed 0 and its optimizer, as run `how` asks."""
+    torch.manual_seed(0)
+    model = deep_mlp(args.width, args.depth).to(device)
+    if "blog" in how:
+        return model, BlogZero(model, how["blog"])
+    return shard(model, optimizer=adam, **how)
+
+
+def reference_weights(args, device: torch.device) -> dict[str, torch.Tensor]:
+    """One process, the whole global batch, plain Adam: what every run must end at."""
+    torch.manual_seed(0)
+    reference = deep_mlp(args.width, args.depth).to(device)
+    opt = adam(reference.parameters())
+    for step in range(args.steps):
+        mse_loss(reference, mlp_batch(step, args.batch, args.width, device=device)).backward()
+        opt.step()
+        opt.zero_grad()
+    return reference.state_dict()
+
+
+def run(args, how: dict, batches, ref_weights, device: torch.device) -> dict:
+    model, opt = build(args, how, device)
+    out = train(model, opt, batches, steps=args.steps - 1, measure_memory=False, device=device)
+    # The last step, measured: memory and bytes. Its peak is counted storage by storage
+    # (PeakMemory's CPU mode, which sees CUDA tensors too): what this run holds and allocates,
+    # not the allocator's high-water mark, which would include the reference's weights.
+    with CommLedger() as ledger:
+        last = train(model, opt, lambda k: batches(args.steps - 1), steps=1)
+    weights = full_state_dict(model)
+    return {
+        "held_after_backward": last["held_after_backward"],
+        "peak_bytes": last["peak_bytes"],
+        "comm": ledger.summary(),
+        "volume": ledger.volume(),
+        "sent_bytes": ledger.total_bytes(),
+        "step_ms": 1e3 * sorted(out["step_times"])[len(out["step_times"]) // 2],
+        "max_abs_diff": max(float((weights[k] - ref_weights[k]).abs().max())
+                            for k in ref_weights),
+    }
+
+
+def best_ms(fn, repeats: int = 9) -> float:
+    """Best of `repeats` calls, each timed on the slowest rank (barriers around it)."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        dist.barrier()
+        times.append(time.perf_counter() - start)
+    return 1e3 * min(times)
+
+
+def time_collectives(n_params: int, world_size: int, device: torch.device) -> dict:
+    """What the backend runs for one reduce-scatter (its own profiler events), and one
+    model-sized gradient buffer reduced three ways."""
+    probe_out = torch.empty(1024, device=device)
+    probe_in = torch.ones(1024 * world_size, device=device)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        dist.reduce_scatter_single(probe_out, probe_in)
+    backend_ops = sorted({e.name for e in prof.events() if e.name.startswith(("gloo:", "nccl:"))})
+
+    n_pad = -(-n_params // world_size)
+    grads = torch.randn(n_pad * world_size, device=device)
+    mine = torch.empty(n_pad, device=device)
+    summed = grads.clone()  # the all-reduce works in place
+    collective_ms = {
+        "all_reduce": best_ms(lambda: dist.all_reduce(summed)),
+        "torch reduce_scatter_single": best_ms(lambda: dist.reduce_scatter_single(mine, grads)),
+        "zero_lab exchange.reduce_scatter": best_ms(lambda: exchange.reduce_scatter(mine, grads)),
+    }
+    return {"reduce_scatter_runs": backend_ops, "collective_ms": collective_ms}
+
+
+def main() -> None:
+    args = parse_args()
+    runs = json.loads(args.runs)
+    info = init_worker()
+
+    def batches(step):  # this rank's rows of global batch `step`
+        full = mlp_batch(step, args.batch, args.width, device=info.device)
+        return rank_slice(full, info.rank, info.world_size)
+
+    ref_weights = reference_weights(args, info.device)
+    results = {}
+    for label, how in runs.items():
+        results[label] = r = run(args, how, batches, ref_weights, info.device)
+        count = sum(op["count"] for op in r["comm"].values())
+        print(f"{label}: peak {r['peak_bytes'] / MiB:.1f} MiB, {r['step_ms']:.1f} ms per step, "
+              f"{count} collectives in the measured step")
+    sizes = [t.numel() for t in ref_weights.values()]
+    out = {"runs": results, "n_params": sum(sizes), "largest_param": max(sizes)}
+    if args.time_collectives:
+        out.update(time_collectives(sum(sizes), info.world_size, info.device))
+    report(out)
+
+
+if __name__ == "__main__":
+    main()
