@@ -90,6 +90,8 @@ def measure_step(make_model: Callable[[], nn.Module],
                      if walk_live_tensors else None),
         "ledger": ledger.summary(),
         "padded_numel": sum(g.padded_numel for g in sync.groups),
+        # the elements the optimizer steps and keeps state for: the slices without padding
+        "stepped_numel": sum(piece.numel for piece in opt.pieces),
     }
     if stage == 3:
         element = sync.units[0].local.element_size()

@@ -204,6 +204,9 @@ def run_case(c: dict, rank: int, world: int) -> dict:
         "n_groups": len(groups),
         "padded_numel": sum(g.padded_numel for g in groups),
         "shard_numel": sum(g.shard_numel for g in groups),
+        # the elements the optimizer steps (and keeps state for): real ones, no padding
+        "stepped_numel": sum(g.numel for g in groups) if c["stage"] == 0 and not c["standalone"]
+        else sum(pc.numel for g in groups for pc in g.shard_pieces()),
         "element_size": groups[0].flat.element_size(),
     }
 
@@ -319,8 +322,10 @@ def error_cases() -> dict:
         "shared_storage": message(lambda: shard(shared_storage(), 2)),
         "twice": message(lambda: shard(sharded, 1)),
         "lbfgs": message(lambda: shard(mlp(), 1, lambda ps: torch.optim.LBFGS(ps))),
-        "captures": message(lambda: shard(
-            probe_model, 1, lambda ps: torch.optim.Adam(probe_model.parameters()))),
+        "stranger": message(lambda: shard(
+            mlp(), 1, lambda ps: torch.optim.Adam(probe_model.parameters()))),
+        "instance": message(lambda: shard(
+            probe_model, 1, torch.optim.Adam(probe_model.parameters(), lr=1e-3))),
         "not_optimizer": message(lambda: shard(mlp(), 1, lambda ps: None)),
         "uneven_batch": message(lambda: W.rank_slice(W.mlp_batch(0, 5, 3), 0, 2)),
     }

@@ -161,6 +161,8 @@ def run_case(c: dict, rank: int, world: int) -> dict:
         "unit_numels": [u.group.numel for u in units],
         "unit_padded": [u.group.padded_numel for u in units],
         "shard_numel": sum(u.group.shard_numel for u in units),
+        "stepped_numel": sum(piece.numel for piece in opt.pieces) if not c["torch_optimizer"]
+        else None,
         "element_size": units[0].local.element_size(),
         "local_param_numels": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "gathered_after": sync.gathered_bytes(),

@@ -18,8 +18,7 @@ produces gradients, the first closed at 1 MB as in torch's DDP; stage 3: one per
 which a rank keeps its slice), every rank starts from rank 0's parameters and buffers
 (broadcast, as torch's DDP does), then the stage installs its hooks and the optimizer is
 built on what this rank updates. Build the optimizer through `shard(..., optimizer=...)`,
-never on `model.parameters()` directly. At stages 0-2 `model.zero_grad()` is routed to
-`opt.zero_grad()`.
+never on `model.parameters()` directly. `model.zero_grad()` is routed to `opt.zero_grad()`.
 
 For the stage modules: a sharded model carries, as attribute `SHARDED_ATTR`, the object whose
 `full_state_dict(model)` method `full_state_dict()` calls (for stages 0-2 the optimizer,
@@ -38,7 +37,7 @@ from zero_lab.partition import TRANSPORTS, make_flat_groups
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.mixed_precision import COMPUTE_DTYPE, to_compute_dtype
-from zero_lab.stages.sharded_optimizer import ShardedOptimizer, check_optimizer
+from zero_lab.stages.sharded_optimizer import ShardedOptimizer, make_plan
 from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
 from zero_lab.stages.zero1 import Zero1, ZeroRedundancyOptimizer
 from zero_lab.stages.zero2 import Zero2
@@ -66,6 +65,7 @@ def shard(
     precision: str = "fp32",
     *,
     transport: str = "auto",
+    find_unused_parameters: bool = False,
     zero1_variant: str = "reduce_scatter",
     unit_classes: Sequence[type] | None = None,
 ) -> tuple[nn.Module, ShardedOptimizer]:
@@ -76,21 +76,28 @@ def shard(
     too, gathered unit by unit (zero3.py). `unit_classes` (stage 3 only), e.g. (Block,),
     makes every module of those classes a unit, like FSDP's wrapping policy; by default each
     child module that owns parameters and is called is one.
-    `optimizer` builds a torch optimizer from a list of tensors (an element-wise one: SGD,
-    Adam, AdamW, ...). `bucket_mb` sizes the flat groups of stages 0-2 (and so their
-    collectives). `prefetch` matters only for stage 3. `precision`: "fp32", or "mixed" (bf16
-    compute, fp32 masters and optimizer states for the owned slice). `transport`: how the
-    flat groups send reduce-scatters and all-gathers: "auto" (a direct exchange on gloo,
-    torch's collectives elsewhere; see collectives/exchange.py), "torch" or "direct".
+    `optimizer` builds a torch optimizer from a list of parameters (an element-wise one: SGD,
+    Adam, AdamW, ...); it is called once on the trainable parameters, full-shaped, and its
+    parameter groups and settings are applied to this rank's pieces of them. `bucket_mb` sizes
+    the flat groups of stages 0-2 (and so their collectives). `prefetch` matters only for
+    stage 3. `precision`: "fp32", or "mixed" (bf16 compute, fp32 masters and optimizer states
+    for the owned slice). `transport`: how the flat groups send reduce-scatters and
+    all-gathers: "auto" (a direct exchange on gloo, torch's collectives elsewhere; see
+    collectives/exchange.py), "torch" or "direct". `find_unused_parameters`, as in torch's
+    DDP: False (the default) refuses a backward that leaves a trainable parameter without a
+    gradient; True lets parameters go unused (no rank used them: `.grad` stays None and the
+    optimizer leaves them alone, as in one process) for one small all-reduce per backward.
     `zero1_variant="all_reduce"` gives the seed notes' stage 1 that all-reduces gradients
-    (3Ψ per step instead of 2Ψ). Needs an initialised default process group; call it on
-    every rank.
+    (3Ψ per step instead of 2Ψ). Needs an initialised default process group; call it on every
+    rank.
     """
     _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
-                     unit_classes)
+                     unit_classes, find_unused_parameters)
     _check_model(model)
-    probe = [nn.Parameter(torch.zeros(1))]  # try the optimizer function before changing anything
-    check_optimizer(optimizer(probe), probe)
+    # The optimizer function sees the parameters as the learner wrote the model (full shapes,
+    # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
+    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    plan = make_plan(optimizer, [p for _, p in trainable], list(model.parameters()))
     compute_dtype = COMPUTE_DTYPE if precision == "mixed" else None
 
     # 1. Trainable parameters, each once (a tied weight is one Parameter), into flat groups;
@@ -101,7 +108,6 @@ def shard(
         units, masters = make_units(model, unit_classes, transport, compute_dtype)
         groups = [unit.group for unit in units]
     else:
-        trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
         element_size = compute_dtype.itemsize if compute_dtype else 4  # of the gradients
         groups = make_flat_groups(trainable[::-1], bucket_mb * 2**20, element_size=element_size,
                                   first_bucket_bytes=FIRST_BUCKET_MB * 2**20,
@@ -127,21 +133,20 @@ def shard(
 
     # 3. The stage's gradient path (hooks, collectives), and the optimizer on what it updates.
     sync: GradientSync
+    unused = find_unused_parameters
     if stage == 3:
-        sync = Zero3(model, units, prefetch=prefetch)
+        sync = Zero3(model, units, prefetch=prefetch, find_unused_parameters=unused)
     elif stage == 2:
-        sync = Zero2(groups)
+        sync = Zero2(groups, find_unused_parameters=unused)
     elif stage == 1:
-        sync = Zero1(groups, variant=zero1_variant)
+        sync = Zero1(groups, variant=zero1_variant, find_unused_parameters=unused)
     else:
-        sync = DataParallel(groups)
-    opt = ShardedOptimizer(sync, optimizer, masters or None)
+        sync = DataParallel(groups, find_unused_parameters=unused)
+    opt = ShardedOptimizer(sync, plan, masters or None)
     setattr(model, SHARDED_ATTR, opt)
-    if stage < 3:
-        # Stage 2 keeps gradients where model.zero_grad() cannot see them: route it to the
-        # optimizer, so a loop that calls model.zero_grad() stays correct. (At stage 3 the
-        # parameters' .grad are their slices' pieces, which model.zero_grad() reaches.)
-        model.zero_grad = opt.zero_grad
+    # Stages 2 and 3 keep gradients where model.zero_grad() cannot see them (the owned
+    # slices): route it to the optimizer, so a loop that calls model.zero_grad() stays right.
+    model.zero_grad = opt.zero_grad
     return model, opt
 
 
@@ -163,7 +168,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
-                     unit_classes) -> None:
+                     unit_classes, find_unused_parameters) -> None:
     if stage not in STAGES or isinstance(stage, bool):
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     if precision not in PRECISIONS:
@@ -172,6 +177,9 @@ def _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_var
         raise ValueError(f"bucket_mb must be a positive number of megabytes, got {bucket_mb!r}")
     if not isinstance(prefetch, bool):
         raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+    if not isinstance(find_unused_parameters, bool):
+        raise TypeError("find_unused_parameters must be True or False, got "
+                        f"{find_unused_parameters!r}")
     if zero1_variant not in ZERO1_VARIANTS:
         raise ValueError(f"zero1_variant must be one of {ZERO1_VARIANTS}, got {zero1_variant!r}")
     if zero1_variant != "reduce_scatter" and stage != 1:

@@ -32,8 +32,9 @@ class DataParallel(GradientSync):
     stage = 0
     sharded = False
 
-    def __init__(self, groups: list[FlatParamGroup]) -> None:
-        super().__init__(groups)
+    def __init__(self, groups: list[FlatParamGroup], find_unused_parameters: bool = False
+                 ) -> None:
+        super().__init__(groups, find_unused_parameters)
         self.make_grad_buffers()  # full gradients, kept for the whole run
         # The optimizer updates each whole flat buffer (an alias, no copy).
         for group, grad in zip(groups, self.grad_buffers, strict=True):
@@ -54,4 +55,4 @@ class DataParallel(GradientSync):
         self._in_flight.clear()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.zero_grad_buffers()  # set_to_none is ignored: the buffers are reused
+        self.zero_grad_buffers(set_to_none)

@@ -15,6 +15,20 @@ tells them "this parameter's gradient is ready", "this whole group (bucket) is r
   has finished, flushes the groups whose gradients never arrived and lets the stage wait for
   its collectives in flight. So when `loss.backward()` returns, gradients are final.
 
+Which parameters have a gradient at all. In one process a parameter that no backward since
+the last `zero_grad()` used keeps `.grad = None`, and the optimizer leaves it and its state
+alone (Adam does not move it, AdamW does not decay it). Flat buffers blur that: a group is
+reduced as a whole, and an unused parameter's part of it is just zeros. So the stages keep
+one flag per parameter, `has_grad[g][i]`, cleared by `zero_grad(set_to_none=True)`; `.grad`
+is None while it is down, and the optimizer (sharded_optimizer.py) steps only the parameters
+whose flag is up. How it is raised is torch DDP's contract:
+- by default every trainable parameter must get a gradient in every backward (the hooks
+  check it for free); one that does not is refused with its name, pointing to
+- `find_unused_parameters=True`: at the end of every backward the ranks agree on the flags
+  with one all-reduce of one byte per parameter, taking the maximum (a parameter used on any
+  rank has a gradient, as it would in one process on the global batch). DDP does the same
+  all-reduce under the same option; the ledger shows it.
+
 A stage subclasses `GradientSync` and fills in the methods at the bottom.
 
 Not supported (as with torch's DDP without static_graph): reentrant activation
@@ -28,6 +42,7 @@ import weakref
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import FlatParamGroup
@@ -61,9 +76,10 @@ class GradientSync:
     stage: int = -1
     sharded: bool = False  # does the optimizer step on this rank's slice only?
 
-    def __init__(self, groups: list[FlatParamGroup], hooks: bool = True) -> None:
+    def __init__(self, groups: list[FlatParamGroup], find_unused_parameters: bool = False
+                 ) -> None:
         self.groups = groups
-        self.uses_hooks = hooks
+        self.find_unused_parameters = find_unused_parameters
         self.world_size = groups[0].world_size
         self.step_params: list[nn.Parameter] = []  # filled by the subclass
         self._ready_params = [0] * len(groups)
@@ -72,12 +88,15 @@ class GradientSync:
         self.handover_order: list[int] = list(range(len(groups)))
         self._handed_over = 0  # how many groups of handover_order were handed over
         self._callback_queued = False
+        # Per parameter: got a gradient in this backward, on this rank; and has a gradient
+        # now (since the last zero_grad, on any rank).
+        self._arrived_here = [[False] * len(g.params) for g in groups]
+        self.has_grad = [[False] * len(g.params) for g in groups]
         self._hook_handles: list = []
-        if hooks:
-            for g, group in enumerate(groups):
-                for i, p in enumerate(group.params):
-                    hook = _weak_hook(self, g, i)
-                    self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+        for g, group in enumerate(groups):
+            for i, p in enumerate(group.params):
+                hook = _weak_hook(self, g, i)
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     # ------------------------------------------------------------------ plumbing
     def queue_backward_callback(self) -> None:
@@ -88,6 +107,7 @@ class GradientSync:
 
     def _on_grad_accumulated(self, g: int, i: int, param: torch.Tensor) -> None:
         self.queue_backward_callback()
+        self._arrived_here[g][i] = True
         self.on_param_grad(g, i, param)
         self._ready_params[g] += 1
         self._hand_over_ready_groups()
@@ -109,10 +129,50 @@ class GradientSync:
             self.on_group_ready(self.handover_order[self._handed_over])
             self._handed_over += 1
         self.on_backward_end()
+        self._agree_on_grads()
         self._ready_params = [0] * len(self.groups)
         self._handed_over = 0
         self._callback_queued = False
 
+    def _agree_on_grads(self) -> None:
+        """Every rank learns which parameters have a gradient now; `.grad` follows."""
+        arrived_here = self._arrived_here
+        self._arrived_here = [[False] * len(g.params) for g in self.groups]
+        if not self.find_unused_parameters:
+            missing = sorted(name for group, arrived in zip(self.groups, arrived_here,
+                                                            strict=True)
+                             for name, a in zip(group.names, arrived, strict=True) if not a)
+            if missing:
+                raise RuntimeError(
+                    f"{len(missing)} trainable parameter(s) got no gradient in this backward "
+                    f"on rank {self.groups[0].rank}: {', '.join(missing[:5])}"
+                    f"{' ...' if len(missing) > 5 else ''}. If the model really leaves "
+                    "parameters unused in some steps (or on some ranks), pass "
+                    "find_unused_parameters=True to shard(), as with torch's DDP (one more "
+                    "small all-reduce per backward); else make every parameter take part in "
+                    "the loss, or freeze it (requires_grad=False) before shard()")
+            self.has_grad = [[True] * len(g.params) for g in self.groups]
+            return
+        flags = torch.tensor([a or h for arrived, had in zip(arrived_here, self.has_grad,
+                                                               strict=True)
+                              for a, h in zip(arrived, had, strict=True)],
+                             dtype=torch.uint8, device=self.groups[0].device)
+        if self.world_size > 1:
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.groups[0].process_group)
+        flat = flags.tolist()
+        k = 0
+        for g, group in enumerate(self.groups):
+            n = len(group.params)
+            self.has_grad[g] = [bool(f) for f in flat[k:k + n]]
+            k += n
+        for g, group in enumerate(self.groups):
+            for p, has in zip(group.params, self.has_grad[g], strict=True):
+                if not has:
+                    p.grad = None
+
+    def clear_has_grad(self) -> None:
+        """`zero_grad(set_to_none=True)`: no parameter has a gradient until the next backward."""
+        self.has_grad = [[False] * len(g.params) for g in self.groups]
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
             handle.remove()
@@ -121,19 +181,27 @@ class GradientSync:
     # ------------------------------------------------------------------ shared helpers
     def make_grad_buffers(self) -> None:
         """Stages 0 and 1: one full flat gradient buffer per group, allocated once and reused
-        every step; every `param.grad` becomes a view of it, so autograd accumulates there."""
+        every step; a parameter's `.grad`, when it has one, is a view of it."""
         self.grad_buffers = [group.new_full() for group in self.groups]
         self.grad_views = [group.views(buf) for group, buf
                            in zip(self.groups, self.grad_buffers, strict=True)]
-        self.zero_grad_buffers()
+        self.zero_grad_buffers(set_to_none=True)
 
-    def zero_grad_buffers(self) -> None:
-        """Zero the persistent gradient buffers in place (they are reused, never freed, as
-        torch's DDP does with gradient_as_bucket_view) and point `.grad` back at them."""
-        for group, buf, views in zip(self.groups, self.grad_buffers, self.grad_views, strict=True):
+    def zero_grad_buffers(self, set_to_none: bool) -> None:
+        """`zero_grad()` for stages 0 and 1: zero the persistent gradient buffers in place
+        (reused, never freed, as torch's DDP does with gradient_as_bucket_view).
+
+        set_to_none=True: every `.grad` becomes None, as in one process; autograd then
+        allocates the next gradients and `adopt_grads` copies them into the buffer (torch's
+        DDP pays the same copy). set_to_none=False: a parameter that has a gradient keeps it,
+        as a zeroed view of the buffer, and autograd accumulates straight into it."""
+        if set_to_none:
+            self.clear_has_grad()
+        for g, (group, buf, views) in enumerate(zip(self.groups, self.grad_buffers,
+                                                    self.grad_views, strict=True)):
             buf.zero_()
-            for p, view in zip(group.params, views, strict=True):
-                p.grad = view
+            for p, view, has in zip(group.params, views, self.has_grad[g], strict=True):
+                p.grad = view if has else None
 
     def adopt_grads(self, g: int, grad_views: list[torch.Tensor]) -> None:
         """Make every `.grad` of group g its view of the group's persistent gradient buffer.

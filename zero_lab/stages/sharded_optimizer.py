@@ -1,12 +1,22 @@
 """The optimizer every stage returns: any element-wise torch optimizer, run on flat slices.
 
-`shard()` builds the learner's optimizer (`optimizer(params)`) on the tensors this rank
-updates: for stage 0 each whole flat buffer, for stages 1 and 2 only this rank's slice of
-each. Its states (Adam's m and v) are therefore created at that size, which *is* the
-optimizer-state sharding of ZeRO. This is exact only for optimizers that treat every element
-independently (SGD, Adam, AdamW, ...): an optimizer that looks at a whole matrix (Adafactor's
-row/column statistics, Muon's orthogonalisation, LBFGS) would see slices of several
-parameters glued together, so it is refused.
+`shard(model, stage, optimizer=fn)` calls `fn` once, before anything is sharded, on the
+model's trainable parameters with their full shapes: so `fn` is written exactly as for plain
+PyTorch, per-group settings included (the usual "no weight decay on biases and norms" split,
+as in nanoGPT's `configure_optimizers`, which looks at `p.dim()`). That optimizer is only a
+*plan*: which parameters go in which group, with which hyper-parameters. The optimizer that
+really steps is the same class, with the same groups and settings, built on the pieces of
+those parameters that this rank updates: for stage 0 each whole parameter (a view of its flat
+buffer), for stages 1-3 the part of each parameter inside this rank's slice. Its states (Adam's
+m and v) are therefore created at that size, which *is* the optimizer-state sharding of ZeRO.
+A parameter the plan leaves out is never stepped, as in plain PyTorch; padding never is.
+
+One optimizer parameter per piece (not one per flat slice) keeps every torch semantic exact:
+a parameter with no gradient (`.grad` None: unused since the last zero_grad) is skipped,
+state and all, and Adam's step count is counted per parameter. This is exact only for
+optimizers that treat every element independently (SGD, Adam, AdamW, ...): one that looks at
+a whole matrix (Adafactor's row/column statistics, Muon's orthogonalisation, LBFGS) would see
+a slice of it, so it is refused.
 
 In mixed precision (`precision="mixed"`) the model computes in bf16, and this rank keeps an
 fp32 *master* copy of the elements it updates; the optimizer runs on the masters and the
@@ -21,8 +31,10 @@ parameter with Adam, the ZeRO paper's mixed-precision recipe (section 3.1).
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -38,51 +50,113 @@ ELEMENTWISE_OPTIMIZERS = (
 )
 
 
-def check_optimizer(optim: object, given: list[torch.Tensor]) -> None:
-    """Refuse what would silently train wrong on flat slices."""
-    if not isinstance(optim, torch.optim.Optimizer):
+def make_plan(optimizer: Callable, params: Sequence[nn.Parameter],
+              model_params: Sequence[torch.Tensor] | None = None) -> torch.optim.Optimizer:
+    """Call the optimizer function on `params` (full shapes, before sharding) and check what
+    it returns: an element-wise torch optimizer over parameters of the model only.
+
+    Parameters of the model that do not require grad may be in it (they never get a
+    gradient, so they are never stepped, as in plain PyTorch); anything else is refused.
+    """
+    if isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError("optimizer must be a function that builds the optimizer, not an "
+                        f"optimizer: pass e.g. lambda params: torch.optim."
+                        f"{type(optimizer).__name__}(params, lr=...) (shard() calls it on the "
+                        "model's parameters, then builds the same optimizer on this rank's "
+                        "slices)")
+    if not callable(optimizer):
+        raise TypeError("optimizer must be a function of a parameter list returning a torch "
+                        f"optimizer, got {type(optimizer).__name__}")
+    plan = optimizer(list(params))
+    if not isinstance(plan, torch.optim.Optimizer):
         raise TypeError("optimizer must be a function of a parameter list returning a "
                         f"torch.optim.Optimizer, e.g. lambda params: torch.optim.Adam(params, "
-                        f"lr=1e-3); it returned {type(optim).__name__}")
-    if type(optim) not in ELEMENTWISE_OPTIMIZERS:
+                        f"lr=1e-3); it returned {type(plan).__name__}")
+    if type(plan) not in ELEMENTWISE_OPTIMIZERS:
         names = ", ".join(c.__name__ for c in ELEMENTWISE_OPTIMIZERS)
-        raise ValueError(f"{type(optim).__name__} is not supported: zero_lab shards optimizer "
+        raise ValueError(f"{type(plan).__name__} is not supported: zero_lab shards optimizer "
                          "state by flat slice, which is exact only for element-wise optimizers "
                          f"({names})")
-    built_on = [p for group in optim.param_groups for p in group["params"]]
-    if len(built_on) != len(given) or {id(p) for p in built_on} != {id(p) for p in given}:
-        raise ValueError("the optimizer function must build the optimizer on exactly the "
-                         "parameters it is given (shard() passes it the flat slices this rank "
-                         "updates); do not capture model.parameters() inside it")
+    known = {id(p) for p in (model_params if model_params is not None else params)}
+    strangers = [p for group in plan.param_groups for p in group["params"]
+                 if id(p) not in known]
+    if strangers:
+        raise ValueError(f"the optimizer function put {len(strangers)} tensor(s) that are not "
+                         "parameters of the model being sharded into the optimizer (shape "
+                         f"{tuple(strangers[0].shape)}); build it on the parameters it is given")
+    return plan
+
+
+@dataclass(frozen=True)
+class Piece:
+    """Elements [start, start + numel) of a step target that belong to parameter `param` of
+    group `group`: one tensor the torch optimizer steps."""
+
+    group: int
+    param: int
+    start: int
+    numel: int
 
 
 OPTIMIZER_CHUNK = 1 << 20  # elements (4 MiB of fp32) per tensor the torch optimizer sees
 
 
+def pieces_of(sync: GradientSync) -> list[Piece]:
+    """What this rank steps: per group, each parameter's part of the step target, cut into
+    tensors of at most OPTIMIZER_CHUNK elements.
+
+    The cut matters for speed, not for values: an optimizer stepping one huge tensor makes
+    temporaries as big as it, which the C allocator hands back to the OS after every step
+    and faults in again (measured: Adam on one 24 MiB buffer took 55-80 ms vs 36-39 ms on the
+    same elements as 4 MiB tensors)."""
+    pieces = []
+    for g, group in enumerate(sync.groups):
+        if sync.sharded:
+            spans = [(pc.index, pc.shard_start, pc.numel) for pc in group.shard_pieces()]
+        else:
+            spans = list(zip(range(len(group.params)), group.offsets, group.numels, strict=True))
+        for i, start, numel in spans:
+            for c in range(0, numel, OPTIMIZER_CHUNK):
+                pieces.append(Piece(g, i, start + c, min(OPTIMIZER_CHUNK, numel - c)))
+    return pieces
+
+
 class ShardedOptimizer(torch.optim.Optimizer):
-    """Wraps the torch optimizer `self.optim` that updates this rank's flat slices.
+    """Wraps the torch optimizer `self.optim` that updates this rank's pieces of parameters.
 
     A torch.optim.Optimizer itself (LR schedulers accept it); `param_groups` and `state` are
-    those of the wrapped optimizer, so changing a learning rate works as usual.
+    those of the wrapped optimizer, in the plan's groups and order, so changing a learning
+    rate works as usual.
     """
 
-    def __init__(self, sync: GradientSync, make_optimizer: Callable,
+    def __init__(self, sync: GradientSync, plan: torch.optim.Optimizer,
                  master_weights: list[torch.Tensor] | None = None) -> None:
         self.sync = sync
         # fp32 masters of exactly the elements this rank updates (mixed precision only).
         self.master_weights = ([nn.Parameter(m, requires_grad=False) for m in master_weights]
                                if master_weights is not None else None)
         self.targets = self.master_weights if self.master_weights is not None else sync.step_params
-        # The torch optimizer sees each target in chunks (views) of at most OPTIMIZER_CHUNK
-        # elements. The update is element-wise, so the result is the same; but an optimizer
-        # stepping one huge flat tensor makes temporaries as big as it, which the C allocator
-        # hands back to the OS after every step and faults in again (measured: Adam on one
-        # 24 MiB buffer took 55-80 ms vs 36-39 ms on the same elements as 4 MiB tensors).
-        self.chunks = [list(t.split(OPTIMIZER_CHUNK)) for t in self.targets]
-        flat_chunks = [c for chunks in self.chunks for c in chunks]
-        self.optim = make_optimizer(flat_chunks)
-        check_optimizer(self.optim, flat_chunks)
-        super().__init__(flat_chunks, self.optim.defaults)
+        self.pieces = pieces_of(sync)
+        self.views = [self.targets[pc.group][pc.start:pc.start + pc.numel] for pc in self.pieces]
+        # The plan's groups, each holding the pieces of its parameters (a placeholder when
+        # this rank updates none of them, so groups keep their places for LR schedulers).
+        group_of = {id(p): k for k, pg in enumerate(plan.param_groups) for p in pg["params"]}
+        groups = [{**{key: v for key, v in pg.items() if key != "params"}, "params": []}
+                  for pg in plan.param_groups]
+        for pc, view in zip(self.pieces, self.views, strict=True):
+            k = group_of.get(id(sync.groups[pc.group].params[pc.param]))
+            if k is not None:  # a parameter the plan leaves out is never stepped
+                groups[k]["params"].append(view)
+        target = self.targets[0]
+        for group in groups:
+            if not group["params"]:
+                group["params"].append(target.new_empty(0))
+        # The same class and constructor settings (its `defaults` may hold more than the
+        # constructor takes: AdamW's records decoupled_weight_decay), groups over the pieces.
+        accepted = inspect.signature(type(plan).__init__).parameters
+        self.optim = type(plan)(groups, **{k: v for k, v in plan.defaults.items()
+                                           if k in accepted})
+        super().__init__([t for group in groups for t in group["params"]], self.optim.defaults)
         self.param_groups = self.optim.param_groups  # one source of truth: the inner optimizer
         self.state = self.optim.state
 
@@ -98,15 +172,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # bf16 gradient slice -> fp32, applied to the fp32 master (transient copy).
             for master, p in zip(self.master_weights, self.sync.step_params, strict=True):
                 master.grad = None if p.grad is None else p.grad.float()
-        for target, chunks in zip(self.targets, self.chunks, strict=True):
-            grads = (target.grad.split(OPTIMIZER_CHUNK) if target.grad is not None
-                     else [None] * len(chunks))
-            for chunk, grad in zip(chunks, grads, strict=True):
-                chunk.grad = grad  # a view: no copy
+        has_grad = self.sync.has_grad
+        for pc, view in zip(self.pieces, self.views, strict=True):
+            grad = self.targets[pc.group].grad
+            # A parameter with no gradient is skipped by the torch optimizer, state and all.
+            view.grad = (grad[pc.start:pc.start + pc.numel]
+                         if grad is not None and has_grad[pc.group][pc.param] else None)
         self.optim.step()
-        for chunks in self.chunks:
-            for chunk in chunks:
-                chunk.grad = None  # the targets' .grad stay the one source of truth
+        for view in self.views:
+            view.grad = None  # the targets' .grad stay the one source of truth
         if self.master_weights is not None:
             for master, p in zip(self.master_weights, self.sync.step_params, strict=True):
                 p.copy_(master)  # round the updated master into the bf16 parameters

@@ -28,13 +28,13 @@ The seed notes' variant, `variant="all_reduce"`, all-reduces the full gradients 
 keeps the owned slice: 2Ψ + Ψ for the all-gather = 3Ψ per step, for the same memory.
 Notebook 03 measures both with the ledger.
 
-`ZeroRedundancyOptimizer` at the bottom is the same stage 1 without hooks, behind the
-signature of `torch.distributed.optim.ZeroRedundancyOptimizer`.
+`ZeroRedundancyOptimizer` at the bottom is the same stage 1 reducing in `step()` instead of
+at the end of backward, behind the signature of `torch.distributed.optim.ZeroRedundancyOptimizer`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 
 import torch
 import torch.distributed as dist
@@ -42,7 +42,7 @@ from torch import nn
 
 from zero_lab.partition import FlatParamGroup, make_flat_groups
 from zero_lab.stages.gradient_sync import GradientSync
-from zero_lab.stages.sharded_optimizer import ShardedOptimizer
+from zero_lab.stages.sharded_optimizer import ShardedOptimizer, make_plan
 
 VARIANTS = ("reduce_scatter", "all_reduce")
 
@@ -54,11 +54,14 @@ class Zero1(GradientSync):
     sharded = True
 
     def __init__(self, groups: list[FlatParamGroup], variant: str = "reduce_scatter",
-                 hooks: bool = True) -> None:
+                 reduce_in_step: bool = False, find_unused_parameters: bool = False) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"stage 1 variant must be one of {VARIANTS}, got {variant!r}")
-        super().__init__(groups, hooks=hooks)
+        super().__init__(groups, find_unused_parameters)
         self.variant = variant
+        # When gradients are reduced: at the end of backward (shard()), or in opt.step()
+        # (ZeroRedundancyOptimizer below, an optimizer that leaves backward alone).
+        self.reduce_in_step = reduce_in_step
         self.make_grad_buffers()  # full gradients, kept for the whole run (g·Ψ bytes)
         # The optimizer updates only this rank's slice; its gradient is the same slice of the
         # gradient buffer (both are views: no memory of their own).
@@ -69,7 +72,7 @@ class Zero1(GradientSync):
         # Pre-divide (see the module docstring), needed only once our slice of the buffer
         # holds an averaged gradient, i.e. from the second backward before a zero_grad().
         self._holds_average = False
-        if hooks and variant == "reduce_scatter":
+        if not reduce_in_step and variant == "reduce_scatter":
             for group in groups:
                 for p in group.params:
                     self._hook_handles.append(p.register_hook(self._pre_divide))
@@ -77,8 +80,17 @@ class Zero1(GradientSync):
     def _pre_divide(self, grad: torch.Tensor) -> torch.Tensor | None:
         return grad / self.world_size if self._holds_average else None  # None: unchanged
 
+    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        # Into the flat gradient buffer at once (after a zero_grad that set .grad to None,
+        # autograd made a tensor of its own): no full copy waits for the end of backward.
+        view = self.grad_views[g][i]
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+
     def on_backward_end(self) -> None:
-        self.reduce_gradients()
+        if not self.reduce_in_step:
+            self.reduce_gradients()
 
     def reduce_gradients(self) -> None:
         """The stage's one gradient collective per group (after backward, or in step())."""
@@ -99,17 +111,17 @@ class Zero1(GradientSync):
             work.wait()
             buf.zero_()  # the slices other ranks own: not ours to keep
             group.shard(buf).copy_(out)  # our slice: the final averaged gradient
-        self._holds_average = self.uses_hooks  # a later backward accumulates on top
+        self._holds_average = not self.reduce_in_step  # a later backward adds on top
 
     def before_step(self) -> None:
-        if not self.uses_hooks:  # used without hooks (ZeroRedundancyOptimizer below)
+        if self.reduce_in_step:
             self.reduce_gradients()
 
     def after_step(self) -> None:
         self.all_gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.zero_grad_buffers()  # set_to_none is ignored: the buffers are reused
+        self.zero_grad_buffers(set_to_none)
         self._holds_average = False
 
 
@@ -119,9 +131,10 @@ class ZeroRedundancyOptimizer(ShardedOptimizer):
         opt = ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
         loss.backward(); opt.step(); opt.zero_grad()
 
-    Use it on a model *without* a data-parallel wrapper: there are no hooks, so `step()`
-    itself reduce-scatters the local gradients backward left in `.grad` (averaging them),
-    updates the owned slice and all-gathers it: 2Ψ per step. (torch's own version expects
+    Use it on a model *without* a data-parallel wrapper: backward sends nothing (its hooks
+    only move each gradient into the flat buffer and note which parameters got one), and
+    `step()` itself reduce-scatters the local gradients (averaging them), updates the owned
+    slice and all-gathers it: 2Ψ per step. (torch's own version expects
     DDP's all-reduced gradients and broadcasts each rank's parameters: 3Ψ.) Like `shard()`,
     it moves the parameters into flat buffers and starts every rank from rank 0's values.
     """
@@ -130,12 +143,25 @@ class ZeroRedundancyOptimizer(ShardedOptimizer):
                  optimizer_class: type[torch.optim.Optimizer], bucket_mb: float = 25.0,
                  *, transport: str = "auto", **defaults) -> None:
         params = list(params)
-        if params and isinstance(params[0], dict):
-            raise ValueError("zero_lab's ZeroRedundancyOptimizer takes a flat list of parameters "
-                             "(per-group options would need one flat buffer per option set)")
-        params = [p for p in dict.fromkeys(params) if p.requires_grad]  # unique, in order
-        groups = make_flat_groups([(f"param{i}", p) for i, p in enumerate(params)][::-1],
+        # Per-group options work as in torch: the groups are the plan (sharded_optimizer.py).
+        tensors = _parameters_in(params)
+        plan = make_plan(lambda _tensors: optimizer_class(params, **defaults), tensors)
+        trainable = [p for p in dict.fromkeys(tensors) if p.requires_grad]
+        if not trainable:
+            raise ValueError("ZeroRedundancyOptimizer got no parameter that requires grad")
+        groups = make_flat_groups([(f"param{i}", p) for i, p in enumerate(trainable)][::-1],
                                   bucket_mb * 2**20, transport=transport)
-        make: Callable = lambda shards: optimizer_class(shards, **defaults)  # noqa: E731
-        # hooks=False: step() calls before_step(), which reduce-scatters the gradients.
-        super().__init__(Zero1(groups, variant="reduce_scatter", hooks=False), make)
+        # step() calls before_step(), which reduce-scatters the gradients.
+        super().__init__(Zero1(groups, variant="reduce_scatter", reduce_in_step=True), plan)
+
+
+def _parameters_in(params: list) -> list[torch.Tensor]:
+    """The tensors of a torch-style parameter list: tensors, or dicts with "params"."""
+    out = []
+    for entry in params:
+        if isinstance(entry, dict):
+            group = entry["params"]
+            out += [group] if isinstance(group, torch.Tensor) else list(group)
+        else:
+            out.append(entry)
+    return out

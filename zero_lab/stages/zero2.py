@@ -54,8 +54,9 @@ class Zero2(GradientSync):
     MAX_IN_FLIGHT = 2  # buckets sent but not yet complete (each holds a full bucket buffer)
 
     def __init__(self, groups: list[FlatParamGroup],
-                 owned_slices: list[torch.Tensor] | None = None) -> None:
-        super().__init__(groups)
+                 owned_slices: list[torch.Tensor] | None = None,
+                 find_unused_parameters: bool = False) -> None:
+        super().__init__(groups, find_unused_parameters)
         # The optimizer updates this rank's slice of each flat buffer (a view, no copy), or
         # the `owned_slices` given (stage 3 keeps slices in memory of their own). Its
         # gradient appears at the end of backward: grads are sharded.
@@ -110,3 +111,5 @@ class Zero2(GradientSync):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         clear_grads(self.step_params, set_to_none)  # the owned gradient slices
+        if set_to_none:
+            self.clear_has_grad()

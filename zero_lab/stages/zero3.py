@@ -87,8 +87,10 @@ class Zero3(Zero2):
     sharded = True
     MAX_IN_FLIGHT = 1  # reduce-scatters not yet complete: keeps at most two full gradients
 
-    def __init__(self, model: nn.Module, units: list[Unit], prefetch: bool = True) -> None:
-        super().__init__([u.group for u in units], owned_slices=[u.local for u in units])
+    def __init__(self, model: nn.Module, units: list[Unit], prefetch: bool = True,
+                 find_unused_parameters: bool = False) -> None:
+        super().__init__([u.group for u in units], owned_slices=[u.local for u in units],
+                         find_unused_parameters=find_unused_parameters)
         self.units = units
         self.prefetch = prefetch
         self.forward_order: list[int] | None = None  # recorded on the first forward
@@ -196,14 +198,15 @@ class Zero3(Zero2):
         self._grads_taken[u] = True
         unit, step_param = self.units[u], self.step_params[u]
         if step_param.grad is not None:
-            if all(p.grad is None for p in unit.params):
+            for i, (p, piece) in enumerate(zip(unit.params, unit.pieces(step_param.grad),
+                                               strict=True)):
+                if p.grad is None:  # no gradient (any more): as in one process
+                    piece.zero_()
+                    self.has_grad[u][i] = False
+                elif p.grad.data_ptr() != piece.data_ptr():
+                    piece.copy_(p.grad)
+            if not any(self.has_grad[u]):
                 step_param.grad = None
-            else:
-                for p, piece in zip(unit.params, unit.pieces(step_param.grad), strict=True):
-                    if p.grad is None:
-                        piece.zero_()
-                    elif p.grad.data_ptr() != piece.data_ptr():
-                        piece.copy_(p.grad)
         for p in unit.params:
             p.grad = None
 

@@ -1,0 +1,83 @@
+"""The edges of the contract torch's DDP, ZeroRedundancyOptimizer and FSDP2 honour, at every
+stage, against one process (tests/workers/contract_cases.py, one launch per world size).
+
+- a parameter with no gradient in a step keeps `.grad` None and is not stepped (AdamW does
+  not decay it, Adam does not move it), whether no rank or only some ranks used it;
+- zero_grad(set_to_none=True/False), model.zero_grad() and an opt.step() with no backward
+  since the last zero_grad do what they do in one process;
+- parameter groups with their own settings apply to exactly their parameters; an LR
+  scheduler steps them.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+
+import pytest
+
+from zero_lab.launch import torchrun
+from zero_lab.paths import REPO_ROOT
+
+WORKER = REPO_ROOT / "tests" / "workers" / "contract_cases.py"
+FP32_ATOL = 1e-6  # fp32 weights of size ~0.1-1 after 6 steps (the stage tests measure 1.2e-7)
+
+
+@cache
+def reports(nproc: int) -> tuple[dict, ...]:
+    return tuple(torchrun(WORKER, nproc=nproc, timeout=600, stream=False,
+                          backend="gloo").ranks)
+
+
+@pytest.fixture(params=[2, 3], scope="module", ids=lambda n: f"N={n}")
+def ranks(request):
+    return request.param, reports(request.param)
+
+
+def cases(ranks, scenario: str) -> list[tuple[int, dict]]:
+    _, reps = ranks
+    return [(r, c) for r, rep in enumerate(reps) for c in rep["cases"]
+            if c["scenario"] == scenario]
+
+
+@pytest.mark.parametrize("scenario", ["unused", "rank_usage", "zero_grad", "groups"])
+def test_trains_as_one_process(ranks, scenario):
+    found = cases(ranks, scenario)
+    assert {c["stage"] for _, c in found} >= {0, 1, 2}
+    for rank, c in found:
+        assert c["max_abs_diff"] <= FP32_ATOL, (c["name"], rank, c["worst_key"],
+                                                c["max_abs_diff"])
+
+
+def test_a_parameter_no_step_uses_is_left_alone(ranks):
+    for rank, c in cases(ranks, "unused"):
+        assert c["moved"]["spare.weight"] == 0.0  # one process: AdamW never touches it
+        assert c["moved_here"]["spare.weight"] == 0.0, (c["name"], rank)
+        assert c["moved"]["sometimes.weight"] > 0  # used on even steps: it trains
+
+
+def test_grad_is_none_where_one_process_has_none(ranks):
+    """Stages 0, 1 and 3 show gradients on the parameters (stage 3: this rank's pieces);
+    stage 2 keeps none there by design (only the owned slices), so its .grad is always None."""
+    for scenario in ("unused", "zero_grad"):
+        for rank, c in cases(ranks, scenario):
+            if c["stage"] == 2:
+                assert all(all(step) for step in c["seen"]["grad_none"]), (c["name"], rank)
+            else:
+                assert c["seen"]["grad_none"] == c["ref_seen"]["grad_none"], (c["name"], rank)
+
+
+def test_groups_keep_their_settings_and_the_scheduler_steps_them(ranks):
+    for rank, c in cases(ranks, "groups"):
+        assert c["seen"] == c["ref_seen"], (c["name"], rank)
+        assert c["seen"]["decays"] == [0.2, 0.0]
+        assert c["seen"]["lrs"] == pytest.approx([2e-2 / 8, 5e-3 / 8])  # 3 halvings
+
+
+def test_an_unused_parameter_is_refused_unless_asked_for(ranks):
+    _, reps = ranks
+    for rank, rep in enumerate(reps):
+        for stage, message in rep["refused"].items():
+            assert message.startswith(
+                f"2 trainable parameter(s) got no gradient in this backward on rank {rank}: "
+                "spare.bias, spare.weight. If the model really leaves parameters unused"), stage
+            assert "find_unused_parameters=True" in message

@@ -1,0 +1,203 @@
+"""Per-rank worker for tests/test_contract.py: the edges of the contract torch users know.
+
+Each case trains a model at one stage with a loop that exercises one habit of plain PyTorch,
+and runs the same loop in one process on the global batch (rank 0's initialisation, plain
+torch optimizer). It reports how far the weights end apart, and what `.grad` looked like
+where one process has None. The habits:
+
+- unused:       a parameter no step uses, and one used only on even steps (AdamW decays
+                and Adam moves a parameter only when it has a gradient)
+- rank_usage:   a branch only rank 0's data takes (one process on the global batch uses it:
+                its gradient is the average with zeros from the other ranks); stages 0-2
+- zero_grad:    zero_grad(set_to_none=True/False), model.zero_grad(), an opt.step() with
+                no backward since the last zero_grad
+- groups:       AdamW parameter groups as nanoGPT builds them (decay only for p.dim() >= 2,
+                its own learning rate per group) and an LR scheduler
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from zero_lab import workloads as W
+from zero_lab.launch import init_worker, report
+from zero_lab.stages import full_state_dict, shard, sharded_optimizer
+
+STEPS = 6
+GLOBAL_BATCH = 12  # splits over 1, 2, 3, 4 ranks
+SEED = 99
+sharded_optimizer.OPTIMIZER_CHUNK = 37  # many chunks per parameter: the chunked path too
+
+
+class Gated(nn.Module):
+    """A trunk, a head, a `spare` layer no forward uses, a `sometimes` layer used when asked,
+    and a 0-d `gate` used with it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(7, 9), nn.Tanh())
+        self.sometimes = nn.Linear(9, 9)
+        self.spare = nn.Linear(9, 9)
+        self.gate = nn.Parameter(torch.tensor(0.3))
+        self.head = nn.Linear(9, 3)
+
+    def forward(self, x: torch.Tensor, use: bool = True) -> torch.Tensor:
+        h = self.trunk(x)
+        if use:
+            h = h + self.gate * torch.tanh(self.sometimes(h))
+        return self.head(h)
+
+
+def gated_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(500 + step)
+    return torch.randn(GLOBAL_BATCH, 7, generator=gen), torch.randn(GLOBAL_BATCH, 3, generator=gen)
+
+
+def gpt() -> nn.Module:
+    # bias=False: the key bias's gradient is rounding noise, which Adam amplifies (see
+    # TinyGPT); the LayerNorm weights still make a no-decay group of 1-D parameters.
+    return W.TinyGPT(vocab_size=19, seq_len=5, d_model=8, n_heads=2, n_layers=2, bias=False)
+
+
+def gpt_batch(step: int):
+    return W.gpt_batch(step, GLOBAL_BATCH, 5, 19)
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=2e-2, weight_decay=0.1)
+
+
+def nanogpt_groups(params):
+    """nanoGPT's configure_optimizers: weight decay for matrices only; here each group also
+    gets its own learning rate, so a group applied to the wrong parameters shows."""
+    decay = [p for p in params if p.dim() >= 2]
+    no_decay = [p for p in params if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": 0.2},
+                              {"params": no_decay, "weight_decay": 0.0, "lr": 5e-3}],
+                             lr=2e-2, betas=(0.9, 0.95))
+
+
+# ----------------------------------------------------------------------------- loops
+# Each loop runs `model` with `opt`; `batch(step)` gives the batch this process trains on
+# (a rank's rows, or the global batch in the reference). Returns what it observed.
+
+
+def loop_unused(model, opt, batch, rank, world, reference):
+    seen = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        use = step % 2 == 0
+        nn.functional.mse_loss(model(x, use=use), y).backward()
+        seen.append(_grad_is_none(model, ("spare.weight", "sometimes.weight", "gate")))
+        opt.step()
+        opt.zero_grad()
+    return {"grad_none": seen}
+
+
+def loop_rank_usage(model, opt, batch, rank, world, reference):
+    for step in range(STEPS):
+        if reference:  # one process: each rank's rows through the path that rank takes
+            x, y = batch(step)
+            parts = zip(x.chunk(world), y.chunk(world), strict=True)
+            loss = sum(nn.functional.mse_loss(model(xr, use=r == 0), yr)
+                       for r, (xr, yr) in enumerate(parts)) / world
+        else:
+            x, y = batch(step)
+            loss = nn.functional.mse_loss(model(x, use=rank == 0), y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return {}
+
+
+def loop_zero_grad(model, opt, batch, rank, world, reference):
+    seen = []
+    for step in range(STEPS):
+        x, y = batch(step)
+        nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+        how = step % 3
+        if how == 0:
+            opt.zero_grad(set_to_none=True)
+        elif how == 1:
+            opt.zero_grad(set_to_none=False)
+        else:
+            model.zero_grad()
+        seen.append(_grad_is_none(model, ("head.weight",)))
+        opt.step()  # no backward since the zero_grad: a no-op, or zero gradients stepped
+    return {"grad_none": seen}
+
+
+def loop_groups(model, opt, batch, rank, world, reference):
+    scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    for step in range(STEPS):
+        W.next_token_loss(model, batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+        scheduler.step()
+    return {"lrs": [group["lr"] for group in opt.param_groups],
+            "decays": [group["weight_decay"] for group in opt.param_groups]}
+
+
+def _grad_is_none(model, names) -> list[bool]:
+    params = dict(model.named_parameters())
+    return [params[n].grad is None for n in names]
+
+
+SCENARIOS = {  # name: (model, batch, optimizer function, loop, stages)
+    "unused": (Gated, gated_batch, adamw, loop_unused, (0, 1, 2, 3)),
+    "rank_usage": (Gated, gated_batch, adamw, loop_rank_usage, (0, 1, 2)),
+    "zero_grad": (Gated, gated_batch, adamw, loop_zero_grad, (0, 1, 2, 3)),
+    "groups": (gpt, gpt_batch, nanogpt_groups, loop_groups, (0, 1, 2, 3)),
+}
+
+
+def run(scenario: str, stage: int, rank: int, world: int) -> dict:
+    make_model, batch, make_opt, loop, _ = SCENARIOS[scenario]
+    torch.manual_seed(SEED + rank)  # shard() must start every rank from rank 0's weights
+    model = make_model()
+    torch.manual_seed(SEED)
+    ref = make_model()
+    initial = {k: v.clone() for k, v in ref.state_dict().items()}
+    model, opt = shard(model, stage, make_opt, bucket_mb=300 / 2**20,  # several buckets
+                       find_unused_parameters=make_model is Gated)  # it has a spare layer
+
+    def local(step):
+        return W.rank_slice(batch(step), rank, world)
+
+    seen = loop(model, opt, local, rank, world, reference=False)
+    ref_opt = make_opt([p for p in ref.parameters() if p.requires_grad])
+    ref_seen = loop(ref, ref_opt, batch, rank, world, reference=True)
+    full, ref_full = full_state_dict(model), ref.state_dict()
+    diffs = {k: (full[k] - ref_full[k]).abs().max().item() for k in ref_full}
+    return {"name": f"{scenario}-stage{stage}", "scenario": scenario, "stage": stage,
+            "max_abs_diff": max(diffs.values()), "worst_key": max(diffs, key=diffs.get),
+            "moved": {k: (ref_full[k] - initial[k]).abs().max().item() for k in initial},
+            "moved_here": {k: (full[k] - initial[k]).abs().max().item() for k in initial},
+            "seen": seen, "ref_seen": ref_seen}
+
+
+def unused_refused(stage: int, rank: int, world: int) -> str:
+    """Without find_unused_parameters, a backward that leaves a parameter without a gradient
+    is refused (on every rank here: no rank uses `spare`), as torch's DDP refuses it."""
+    torch.manual_seed(SEED)
+    model, _ = shard(Gated(), stage, adamw)
+    x, y = W.rank_slice(gated_batch(0), rank, world)
+    try:
+        nn.functional.mse_loss(model(x), y).backward()
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def main() -> None:
+    info = init_worker()
+    cases = [run(name, stage, info.rank, info.world_size)
+             for name, (*_, stages) in SCENARIOS.items() for stage in stages]
+    refused = {stage: unused_refused(stage, info.rank, info.world_size) for stage in range(4)}
+    report({"cases": cases, "refused": refused})
+
+
+if __name__ == "__main__":
+    main()
