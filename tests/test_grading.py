@@ -62,6 +62,41 @@ def test_same_compares_by_kind():
     assert not grading.same(7.5e9, 7.6e9)
 
 
+def test_same_tensors_need_equal_shapes_not_broadcastable_ones():
+    import torch
+
+    expected = torch.tensor([2.0, 2.0, 2.0])
+    assert grading.same(expected, torch.tensor([2.0, 2.0, 2.0]))
+    assert grading.same(expected, expected * (1 + 1e-8))  # within rel
+    assert grading.same(expected, [2.0, 2.0, 2.0])  # a list of the right shape is an answer
+    assert not grading.same(expected, torch.tensor([2.0, 2.0, 2.1]))
+    wrong_shapes = [torch.tensor([2.0]), torch.full((3, 1), 2.0), torch.full((1, 3), 2.0),
+                    torch.tensor(2.0), 2.0, [[2.0]] * 3, torch.full((2, 3), 2.0)]
+    for got in wrong_shapes:  # torch.allclose would broadcast each of these and agree
+        assert not grading.same(expected, got), got
+    assert not grading.same(torch.tensor(2.0), torch.tensor([2.0]))  # 0-d is not (1,)
+    assert grading.same(torch.tensor(2.0), 2.0)  # a 0-d tensor and a number
+    assert not grading.same(expected, None) and not grading.same(expected, "2, 2, 2")
+
+
+def test_same_tensors_compare_ints_and_floats_by_value_but_not_bools():
+    import numpy as np
+    import torch
+
+    # like numbers (same(16, 16.0)), int and float tensors of equal values agree
+    assert grading.same(torch.tensor([1.0, 2.0]), torch.tensor([1, 2]))
+    assert grading.same(torch.tensor([1, 2]), torch.tensor([1.0, 2.0]))
+    assert grading.same(torch.tensor([1.0, 2.0]), torch.tensor([1.0, 2.0], dtype=torch.float64))
+    assert grading.same(np.array([1.0, 2.0]), torch.tensor([1, 2]))
+    assert not grading.same(np.array([1.0, 2.0]), np.array([[1.0, 2.0]]))
+    # integers are exact, as same(3, 3) is: no relative tolerance
+    assert not grading.same(torch.tensor([1, 2**40]), torch.tensor([1, 2**40 + 1]))
+    # a bool is not a count (same(1, True) is False)
+    assert not grading.same(torch.tensor([1, 0]), torch.tensor([True, False]))
+    assert not grading.same(torch.tensor([True, False]), torch.tensor([1.0, 0.0]))
+    assert grading.same(torch.tensor([True, False]), torch.tensor([True, False]))
+
+
 def test_run_cases_pass_line(capsys):
     grading.run_cases("check_double", lambda x: 2 * x, [Case(args=(2,), expected=4)] * 3)
     assert capsys.readouterr().out == "✓ check_double: 3/3 hidden cases pass\n"

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import inspect
 import math
+import re
 import subprocess
 import sys
 
@@ -182,6 +184,130 @@ def test_bad_gpu_bytes(bad):
 def test_bad_pad_to():
     with pytest.raises(ValueError, match=r"pad_to must be None or an int >= 1"):
         memory.model_state_bytes(100, 1, 2, pad_to=0)
+
+
+# Each argument's domain, as values it must refuse. Counts of parameters, layers, tokens
+# accept integral floats (7.5e9); rank counts, stages and pad_to are ints: not bools, not 1.0.
+NAN, INF = float("nan"), float("inf")
+COUNT = [0, -5, 2.5, NAN, INF, True, "2", None]
+COUNT_OR_ZERO = [-1, 2.5, NAN, True, "2", None]
+COUNT_OR_NONE = [0, -1, 2.5, True, "2"]  # None means "not set"
+INT = [0, -1, 2.0, True, "2", None]
+INT_OR_NONE = [0, 2.0, True, "2"]
+STAGE = [-1, 4, 1.0, True, "1", None]
+POSITIVE = [0, -1.0, NAN, INF, True, "80e9", None]  # byte budgets, safety factors
+FLAG = [0, 1, "False", None]
+RECIPE = {"precision": ["fp16", "FP32", 1, None], "optimizer": ["lamb", 1, None]}
+SHAPE = {"seq_len": COUNT, "batch": COUNT, "hidden": COUNT, "heads": COUNT}
+LAYER = {"seq_len": 2048, "batch": 2, "hidden": 4096, "heads": 32}
+
+PUBLIC_API = {  # name: (a call that works, {argument: values that must be refused})
+    "bytes_per_param": ({}, RECIPE),
+    "partition_elements": (
+        {"n_params": 10, "world_size": 3},
+        {"n_params": COUNT, "world_size": INT, "pad_to": INT_OR_NONE},
+    ),
+    "model_state_bytes": (
+        {"n_params": 7.5e9, "stage": 1, "world_size": 8},
+        {"n_params": COUNT, "stage": STAGE, "world_size": INT, "pad_to": INT_OR_NONE, **RECIPE},
+    ),
+    "largest_model": (
+        {"gpu_bytes": 80 * GiB, "world_size": 8, "stage": 3},
+        {"gpu_bytes": POSITIVE, "world_size": INT, "stage": STAGE, "pad_to": INT_OR_NONE,
+         **RECIPE},
+    ),
+    "state_breakdown_by_stage": (
+        {"n_params": 1e9, "world_size": 8},
+        {"n_params": COUNT, "world_size": INT, "pad_to": INT_OR_NONE, **RECIPE},
+    ),
+    "activation_bytes_per_layer": (
+        LAYER,
+        {**SHAPE, "checkpointing": ["some", True, None], "tensor_parallel": INT,
+         "sequence_parallel": FLAG},
+    ),
+    "activation_breakdown_per_layer": (LAYER, SHAPE),
+    "activation_bytes": (
+        {"n_layers": 24, **LAYER},
+        {"n_layers": COUNT, **SHAPE, "checkpointing": ["Full", 0, None],
+         "tensor_parallel": INT, "sequence_parallel": FLAG},
+    ),
+    "zero_paper_activation_bytes": (
+        {"n_layers": 48, "seq_len": 1024, "batch": 32, "hidden": 1600},
+        {"n_layers": COUNT, "seq_len": COUNT, "batch": COUNT, "hidden": COUNT},
+    ),
+    "gpt_shape": ({"n_params": 7e9}, {"n_params": COUNT, "hidden_per_layer": COUNT}),
+    "fused_buffer_bytes": (
+        {"n_params": 1.5e9},
+        {"n_params": COUNT, "bytes_per_element": COUNT, "bucket_elements": COUNT_OR_NONE},
+    ),
+    "offload_state_bytes": (
+        {"n_params": 7.5e9, "stage": 3, "world_size": 8},
+        {"n_params": COUNT, "stage": STAGE, "world_size": INT, "offload_optimizer": FLAG,
+         "offload_params": FLAG, **RECIPE},
+    ),
+    "deepspeed_zero2_estimate": (
+        {"total_params": 2851 * 10**6, "num_gpus_per_node": 8},
+        {"total_params": COUNT, "num_gpus_per_node": INT, "num_nodes": INT, "cpu_offload": FLAG,
+         "additional_buffer_factor": POSITIVE, "legacy": FLAG},
+    ),
+    "deepspeed_zero3_estimate": (
+        {"total_params": 2851 * 10**6, "largest_layer_params": 32 * 10**6},
+        {"total_params": COUNT, "largest_layer_params": COUNT, "num_gpus_per_node": INT,
+         "num_nodes": INT, "cpu_offload": FLAG, "cpu_offload_params": FLAG, "zero_init": FLAG,
+         "additional_buffer_factor": POSITIVE},
+    ),
+    "deepspeed_gpu_gap": (
+        {"n_params": 600_060_000, "stage": 3, "world_size": 2, "largest_layer_params": 10**8},
+        {"n_params": COUNT, "stage": [0, 1, 4, 2.0, True, "3", None], "world_size": INT,
+         "largest_layer_params": COUNT_OR_ZERO},
+    ),
+    "parse_count": (
+        {"text": "7.6B"},
+        {"text": [12, 7.6e9, None, "", "12", "xB", "-1B", "0B", "nanB", "infB", "7.6b"]},
+    ),
+    "paper_figure1": ({}, {}),
+    "paper_table1": ({}, {}),
+    "paper_table2": ({}, {"gpu_bytes": POSITIVE, "world_size": INT}),
+}
+BAD_ARGUMENTS = [
+    pytest.param(name, good, arg, bad, id=f"{name}-{arg}={bad!r}")
+    for name, (good, refused) in PUBLIC_API.items()
+    for arg, values in refused.items()
+    for bad in values
+]
+
+
+def test_public_api_table_covers_every_argument_of_every_public_function():
+    public = {
+        name: fn for name, fn in vars(memory).items()
+        if inspect.isfunction(fn) and fn.__module__ == memory.__name__ and name[0] != "_"
+    }
+    assert set(PUBLIC_API) == set(public)
+    for name, fn in public.items():
+        good, refused = PUBLIC_API[name]
+        assert set(refused) == set(inspect.signature(fn).parameters), name
+        fn(**good)  # the documented call still works
+
+
+@pytest.mark.parametrize("name, good, arg, bad", BAD_ARGUMENTS)
+def test_bad_argument_raises_value_error_naming_it_and_the_value(name, good, arg, bad):
+    pattern = rf"^{re.escape(arg)} must .*; got {re.escape(repr(bad))}$"
+    with pytest.raises(ValueError, match=pattern):
+        getattr(memory, name)(**{**good, arg: bad})
+
+
+def test_integral_floats_still_count_and_numpy_ints_are_ints():
+    np = pytest.importorskip("numpy")
+    assert memory.model_state_bytes(np.int64(10), np.int64(1), np.int64(4)) == (
+        memory.model_state_bytes(10, 1, 4))
+    assert memory.activation_bytes_per_layer(2048.0, 2.0, 4096.0, 32.0) == (
+        memory.activation_bytes_per_layer(2048, 2, 4096, 32))
+    assert memory.zero_paper_activation_bytes(48.0, 1024, 32, 1600.0) == (
+        2 * 12 * 1600 * 32 * 1024 * 48)
+    gap = memory.deepspeed_gpu_gap(7.5e9, 2, 8)
+    assert gap == memory.deepspeed_gpu_gap(7_500_000_000, 2, 8)
+    assert all(type(v) is int for v in gap.values())  # exact integer bytes, like the rest
+    assert memory.fused_buffer_bytes(1.5e9, bytes_per_element=2.0) == 3 * GB
 
 
 # -------------------------------------------------------------------- properties

@@ -37,38 +37,76 @@ MiB = 2**20
 
 
 # ------------------------------------------------------------------------ validation
+# Every public function checks its arguments with these helpers and raises ValueError naming
+# the argument and the value it got. Counts (Ψ, layers, tokens) are positive whole numbers,
+# floats such as 7.5e9 included; ranks, stages and pad_to are ints (True and 1.0 are not);
+# byte budgets are finite positive numbers; switches are True or False; names are one of the
+# module's tuples (PRECISIONS, OPTIMIZERS, CHECKPOINTING).
 
 
-def _choice(name: str, value, accepted: tuple) -> None:
-    if value not in accepted:
-        raise ValueError(f"{name} must be one of {', '.join(map(repr, accepted))}; got {value!r}")
+def _choice(name: str, value, accepted: tuple, expected: str | None = None):
+    """`value` if it is one of `accepted` *and* of their kind: True and 1.0 are not stage 1."""
+    kind = str if isinstance(accepted[0], str) else Integral
+    if isinstance(value, kind) and not isinstance(value, bool) and value in accepted:
+        return value if kind is str else int(value)
+    expected = expected or "one of " + ", ".join(map(repr, accepted))
+    raise ValueError(f"{name} must be {expected}; got {value!r}")
 
 
-def _whole_positive(name: str, value, what: str = "count") -> int:
-    """`value` as an int >= 1; integral floats such as 7.5e9 are accepted."""
+def _whole_positive(name: str, value, what: str = "count", minimum: int = 1) -> int:
+    """`value` as an int >= `minimum` (1 or 0); integral floats such as 7.5e9 are accepted."""
     ok = isinstance(value, Real) and not isinstance(value, bool)
     if ok and not isinstance(value, Integral):
         ok = math.isfinite(value) and float(value).is_integer()
-    if not ok or value < 1:
+    if not ok or value < minimum:
+        sign = "positive" if minimum == 1 else "non-negative"
         raise ValueError(
-            f"{name} must be a positive whole {what} (an int, or a float with no fractional "
+            f"{name} must be a {sign} whole {what} (an int, or a float with no fractional "
             f"part such as 7.5e9); got {value!r}"
         )
     return int(value)
 
 
+def _positive_int(name: str, value, what: str, optional: bool = False) -> int | None:
+    """`value` as an int >= 1, never a bool or a float (ranks, alignment); None if optional."""
+    if optional and value is None:
+        return None
+    if not isinstance(value, Integral) or isinstance(value, bool) or value < 1:
+        none = "None or " if optional else ""
+        raise ValueError(f"{name} must be {none}an int >= 1 ({what}); got {value!r}")
+    return int(value)
+
+
 def _world_size(world_size) -> int:
-    if not isinstance(world_size, Integral) or isinstance(world_size, bool) or world_size < 1:
-        raise ValueError(f"world_size must be an int >= 1 (number of ranks); got {world_size!r}")
-    return int(world_size)
+    return _positive_int("world_size", world_size, "number of ranks")
+
+
+def _positive_number(name: str, value, what: str = "number"):
+    """`value` if it is a finite real number > 0 (not a bool, not a string)."""
+    ok = isinstance(value, Real) and not isinstance(value, bool)
+    if not ok or not math.isfinite(value) or value <= 0:
+        raise ValueError(f"{name} must be a finite positive {what}; got {value!r}")
+    return value
 
 
 def _positive_bytes(name: str, value) -> float:
-    if not isinstance(value, Real) or isinstance(value, bool) or not math.isfinite(value):
-        raise ValueError(f"{name} must be a finite positive number of bytes; got {value!r}")
-    if value <= 0:
-        raise ValueError(f"{name} must be a finite positive number of bytes; got {value!r}")
+    return _positive_number(name, value, "number of bytes")
+
+
+def _flag(name: str, value) -> bool:
+    """`value` if it is True or False: 1, "False" and None are not switches."""
+    if not isinstance(value, bool):
+        raise ValueError(f"{name} must be True or False; got {value!r}")
     return value
+
+
+_DIMENSIONS = {"n_layers": "number of layers", "seq_len": "number of tokens",
+               "batch": "number of sequences", "hidden": "hidden size", "heads": "number of heads"}
+
+
+def _dims(**dims) -> tuple[int, ...]:
+    """Transformer dimensions (L, s, b, h, a), in the order given, as positive whole counts."""
+    return tuple(_whole_positive(name, value, _DIMENSIONS[name]) for name, value in dims.items())
 
 
 # ------------------------------------------------------------------- bytes per param
@@ -109,11 +147,10 @@ def partition_elements(n_params: int, world_size: int, pad_to: int | None = None
     """
     n = _whole_positive("n_params", n_params, "number of parameters")
     world = _world_size(world_size)
+    pad = _positive_int("pad_to", pad_to, "elements", optional=True)
     size = -(-n // world)
-    if pad_to is not None:
-        if not isinstance(pad_to, Integral) or isinstance(pad_to, bool) or pad_to < 1:
-            raise ValueError(f"pad_to must be None or an int >= 1 (elements); got {pad_to!r}")
-        size = -(-size // pad_to) * pad_to
+    if pad is not None:
+        size = -(-size // pad) * pad
     return size
 
 
@@ -133,7 +170,7 @@ def model_state_bytes(
     padded flat buffer, N·partition elements, as a flat-buffer implementation does.
     """
     n = _whole_positive("n_params", n_params, "number of parameters")
-    _choice("stage", stage, STAGES)
+    stage = _choice("stage", stage, STAGES)
     world = _world_size(world_size)
     b = bytes_per_param(precision, optimizer)
     shard = partition_elements(n, world, pad_to)
@@ -168,7 +205,8 @@ def largest_model(
     """
     budget = _positive_bytes("gpu_bytes", gpu_bytes)
     world = _world_size(world_size)
-    _choice("stage", stage, STAGES)
+    stage = _choice("stage", stage, STAGES)
+    pad_to = _positive_int("pad_to", pad_to, "elements", optional=True)
     b = bytes_per_param(precision, optimizer)
 
     def fits(n: int) -> bool:
@@ -222,12 +260,10 @@ def activation_bytes_per_layer(
     re-materialises one layer at a time. Tensor parallelism t splits everything but the
     layer-norm and dropout terms (10·sbh); sequence parallelism splits those too.
     """
-    s = _whole_positive("seq_len", seq_len)
-    b = _whole_positive("batch", batch)
-    h = _whole_positive("hidden", hidden)
-    a = _whole_positive("heads", heads)
-    t = _whole_positive("tensor_parallel", tensor_parallel)
-    _choice("checkpointing", checkpointing, CHECKPOINTING)
+    s, b, h, a = _dims(seq_len=seq_len, batch=batch, hidden=hidden, heads=heads)
+    t = _positive_int("tensor_parallel", tensor_parallel, "number of ranks")
+    checkpointing = _choice("checkpointing", checkpointing, CHECKPOINTING)
+    sequence_parallel = _flag("sequence_parallel", sequence_parallel)
     sbh = s * b * h
     if checkpointing == "full":
         return 2 * sbh // t if sequence_parallel else 2 * sbh
@@ -243,7 +279,7 @@ def activation_bytes_per_layer(
 
 def activation_breakdown_per_layer(seq_len: int, batch: int, hidden: int, heads: int) -> dict:
     """Korthikanti et al.'s per-layer terms (16-bit, no parallelism), summing to the total."""
-    s, b, h, a = seq_len, batch, hidden, heads
+    s, b, h, a = _dims(seq_len=seq_len, batch=batch, hidden=hidden, heads=heads)
     sbh = s * b * h
     return {
         "layernorm inputs (2 x 2sbh)": 4 * sbh,
@@ -276,8 +312,8 @@ def activation_bytes(
     With full checkpointing the backward pass also holds one layer's full activations
     while it recomputes that layer; that working set is added once.
     """
-    layers = _whole_positive("n_layers", n_layers)
-    args = (seq_len, batch, hidden, heads)
+    layers, *args = _dims(n_layers=n_layers, seq_len=seq_len, batch=batch, hidden=hidden,
+                          heads=heads)
     per_layer = activation_bytes_per_layer(
         *args, checkpointing, tensor_parallel, sequence_parallel
     )
@@ -292,7 +328,8 @@ def zero_paper_activation_bytes(n_layers: int, seq_len: int, batch: int, hidden:
 
     For GPT-2 1.5B (L=48, h=1600) at s=1024, b=32 this is the paper's "about 60 GB".
     """
-    return 2 * 12 * hidden * batch * seq_len * n_layers
+    layers, s, b, h = _dims(n_layers=n_layers, seq_len=seq_len, batch=batch, hidden=hidden)
+    return 2 * 12 * h * b * s * layers
 
 
 def gpt_shape(n_params: int | float, hidden_per_layer: int = 128) -> dict[str, int]:
@@ -303,7 +340,8 @@ def gpt_shape(n_params: int | float, hidden_per_layer: int = 128) -> dict[str, i
     a parameter count into an activation estimate.
     """
     n = _whole_positive("n_params", n_params, "number of parameters")
-    layers = max(1, round((n / (12 * hidden_per_layer**2)) ** (1 / 3)))
+    ratio = _whole_positive("hidden_per_layer", hidden_per_layer, "ratio h/L")
+    layers = max(1, round((n / (12 * ratio**2)) ** (1 / 3)))
     hidden = max(128, round(math.sqrt(n / (12 * layers)) / 128) * 128)
     return {"n_layers": layers, "hidden": hidden, "heads": hidden // 128}
 
@@ -317,9 +355,10 @@ def fused_buffer_bytes(
     ZeRO-R's constant-size buffers (section 6.2) cap it at `bucket_elements`.
     """
     n = _whole_positive("n_params", n_params, "number of parameters")
+    width = _whole_positive("bytes_per_element", bytes_per_element, "number of bytes")
     if bucket_elements is not None:
-        n = min(n, _whole_positive("bucket_elements", bucket_elements))
-    return bytes_per_element * n
+        n = min(n, _whole_positive("bucket_elements", bucket_elements, "number of elements"))
+    return width * n
 
 
 # ------------------------------------------------------------------------- offload
@@ -344,8 +383,10 @@ def offload_state_bytes(
     of `model_state_bytes`. Working buffers (gathered layers, buckets) are not counted.
     """
     n = _whole_positive("n_params", n_params, "number of parameters")
-    _choice("stage", stage, STAGES)
+    stage = _choice("stage", stage, STAGES)
     world = _world_size(world_size)
+    offload_optimizer = _flag("offload_optimizer", offload_optimizer)
+    offload_params = _flag("offload_params", offload_params)
     if offload_params and stage != 3:
         raise ValueError(f"offload_params needs stage 3 (partitioned parameters); got {stage}")
     if offload_optimizer and stage == 0:
@@ -391,6 +432,12 @@ def deepspeed_zero2_estimate(
     + 4 (fp32 params) + 8 (Adam states). `legacy=True` uses the older 4Ψ + 16Ψ/N that
     DeepSpeed's memory docs example (t5-3b, 15.93GB) was printed with.
     """
+    total_params = _whole_positive("total_params", total_params, "number of parameters")
+    num_gpus_per_node = _positive_int("num_gpus_per_node", num_gpus_per_node, "GPUs per node")
+    num_nodes = _positive_int("num_nodes", num_nodes, "number of nodes")
+    cpu_offload, legacy = _flag("cpu_offload", cpu_offload), _flag("legacy", legacy)
+    additional_buffer_factor = _positive_number("additional_buffer_factor",
+                                                additional_buffer_factor, "factor")
     total_gpus = num_nodes * num_gpus_per_node
     if cpu_offload:
         gpu_mem = 2 * total_params
@@ -420,6 +467,16 @@ def deepspeed_zero3_estimate(
     18Ψ/N (2 fp16 params + 4 fp32 grads + 4 fp32 params + 8 Adam states) without offload,
     2Ψ/N with the optimizer offloaded, nothing more with parameters offloaded too.
     """
+    total_params = _whole_positive("total_params", total_params, "number of parameters")
+    largest_layer_params = _whole_positive("largest_layer_params", largest_layer_params,
+                                           "number of parameters")
+    num_gpus_per_node = _positive_int("num_gpus_per_node", num_gpus_per_node, "GPUs per node")
+    num_nodes = _positive_int("num_nodes", num_nodes, "number of nodes")
+    cpu_offload = _flag("cpu_offload", cpu_offload)
+    cpu_offload_params = _flag("cpu_offload_params", cpu_offload_params)
+    zero_init = _flag("zero_init", zero_init)
+    additional_buffer_factor = _positive_number("additional_buffer_factor",
+                                                additional_buffer_factor, "factor")
     total_gpus = num_nodes * num_gpus_per_node
     gpus_factor = 1 / num_nodes
     largest_layer_memory = 4 * largest_layer_params
@@ -453,17 +510,20 @@ def deepspeed_gpu_gap(
     gradient partition in fp32 only (4 bytes where the paper has 2) and adds 4 bytes per
     parameter of the largest layer for the gathered fp16 weights and gradients.
     """
-    course = model_state_bytes(n_params, stage, world_size)["total"]
+    n = _whole_positive("n_params", n_params, "number of parameters")
+    stage = _choice("stage", stage, (2, 3), "2 or 3 (DeepSpeed's estimators)")
+    world = _world_size(world_size)
+    layer = _whole_positive("largest_layer_params", largest_layer_params,
+                            "number of parameters", minimum=0)
+    course = model_state_bytes(n, stage, world)["total"]
     if stage == 2:
-        terms = {"course (paper)": course, "fp32 gradient partition": 4 * n_params // world_size}
-    elif stage == 3:
+        terms = {"course (paper)": course, "fp32 gradient partition": 4 * n // world}
+    else:
         terms = {
             "course (paper)": course,
-            "fp32 instead of fp16 gradient partition": 2 * n_params // world_size,
-            "gathered largest layer (fp16 params + grads)": 4 * largest_layer_params,
+            "fp32 instead of fp16 gradient partition": 2 * n // world,
+            "gathered largest layer (fp16 params + grads)": 4 * layer,
         }
-    else:
-        raise ValueError(f"stage must be 2 or 3 (DeepSpeed's estimators); got {stage!r}")
     terms["total"] = sum(terms.values())
     return terms
 
@@ -518,9 +578,15 @@ PAPER_TABLE_2 = {  # MP: {stage: as printed}, then the two measured columns
 def parse_count(text: str) -> float:
     """'7.6B' -> 7.6e9, '0.5T' -> 5e11: the paper's way of printing parameter counts."""
     units = {"M": 1e6, "B": 1e9, "T": 1e12}
-    if not text or text[-1] not in units:
-        raise ValueError(f"text must end in one of M, B, T; got {text!r}")
-    return float(text[:-1]) * units[text[-1]]
+    if not isinstance(text, str) or not text or text[-1] not in units:
+        raise ValueError(f"text must end in one of M, B, T (a count such as '7.6B'); got {text!r}")
+    try:
+        number = float(text[:-1])
+    except ValueError:
+        number = math.nan
+    if not math.isfinite(number) or number <= 0:
+        raise ValueError(f"text must be a positive number before its M, B or T; got {text!r}")
+    return number * units[text[-1]]
 
 
 def paper_figure1() -> dict[int, int]:

@@ -18,7 +18,8 @@ How to write a check (for course authors; put it in the module of its notebook)
   implementation (import it from the package; never paste numbers), `hint` says what a
   learner who fails *this* case most likely got wrong.
 - `run_cases` compares with `same()` (exact for ints and strings, relative 1e-6 for floats,
-  key by key for dicts, element by element for lists, `allclose` for tensors); pass
+  key by key for dicts, element by element for lists, equal shapes then `allclose` for
+  tensors); pass
   `compare=` for anything else, or `wrong_answers=` to recognise known mistakes by value.
 - A check that needs more than input -> output (e.g. run the learner's code on several
   ranks, `remote.py`) builds its own logic and ends with `passed(name, detail)` or `fail(...)`.
@@ -79,12 +80,7 @@ def same(expected: Any, got: Any, rel: float = 1e-6) -> bool:
             and all(same(e, g, rel) for e, g in zip(expected, got, strict=True))
         )
     if hasattr(expected, "shape") and hasattr(expected, "dtype"):  # a tensor or an array
-        try:
-            import torch
-
-            return torch.allclose(torch.as_tensor(got), torch.as_tensor(expected), rtol=rel)
-        except (TypeError, RuntimeError, ValueError):
-            return False
+        return _same_tensor(expected, got, rel)
     if isinstance(expected, bool) or isinstance(expected, str):
         return got == expected
     if isinstance(expected, (int, float)):
@@ -97,6 +93,28 @@ def same(expected: Any, got: Any, rel: float = 1e-6) -> bool:
             return got == expected
         return math.isclose(float(got), float(expected), rel_tol=rel, abs_tol=0.0)
     return got == expected
+
+
+def _same_tensor(expected: Any, got: Any, rel: float) -> bool:
+    """Same shape, then the values: exact for integers and bools, allclose (rtol=rel) else.
+
+    Shapes first because torch.allclose broadcasts: a (1,) or (3, 1) answer full of the
+    right value would pass for a (3,) one. Integer and float answers compare by value, as
+    numbers do in `same`; a bool tensor is not a count. Lists and arrays become tensors.
+    """
+    import torch
+
+    try:
+        want, have = torch.as_tensor(expected), torch.as_tensor(got)
+        if want.shape != have.shape or (want.dtype == torch.bool) != (have.dtype == torch.bool):
+            return False
+        common = torch.promote_types(want.dtype, have.dtype)
+        want, have = want.to(common), have.to(device=want.device, dtype=common)
+        if common.is_floating_point or common.is_complex:
+            return torch.allclose(have, want, rtol=rel)
+        return torch.equal(have, want)
+    except (TypeError, RuntimeError, ValueError):
+        return False
 
 
 def fail(name: str, message: str, hint: str = "") -> None:
