@@ -81,3 +81,24 @@ def test_an_unused_parameter_is_refused_unless_asked_for(ranks):
                 f"2 trainable parameter(s) got no gradient in this backward on rank {rank}: "
                 "spare.bias, spare.weight. If the model really leaves parameters unused"), stage
             assert "find_unused_parameters=True" in message
+
+
+def test_ranks_that_disagree_fail_together(ranks):
+    """Different stages, or models with the same element count and other shapes: refused
+    by every rank at shard(); stage 3 units run in a rank-dependent order: refused at the
+    first gather with check_order=True."""
+    _, reps = ranks
+    for rep in reps:
+        found = rep["disagree"]
+        assert found["stage"] == (
+            "ValueError: the ranks called shard() differently: rank 1 has stage = 2 where "
+            "rank 0 has 1. Every rank must shard the same model (same parameter names and "
+            "shapes) with the same settings")
+        assert found["shapes"] == (
+            "ValueError: the ranks called shard() differently: rank 1 has parameters[0] = "
+            "('weight', (4, 6), 'torch.float32', True) where rank 0 has ('weight', (6, 4), "
+            "'torch.float32', True). Every rank must shard the same model (same parameter "
+            "names and shapes) with the same settings")
+        assert found["order"].startswith("RuntimeError: the ranks' forwards differ: rank ")
+        assert "gathers unit 'a' while the ranks gather {0: 'a', 1: 'b'" in found["order"] or \
+            "gathers unit 'b' while the ranks gather {0: 'a', 1: 'b'" in found["order"]

@@ -217,7 +217,26 @@ def test_no_warnings(ranks):
 
 
 REFUSALS = {
-    "stage5": "ValueError: stage must be one of (0, 1, 2, 3), got 5",
+    "stage5": "ValueError: stage must be one of the ints (0, 1, 2, 3), got 5",
+    "stage_float": "ValueError: stage must be one of the ints (0, 1, 2, 3), got 1.0",
+    "stage_bool": "ValueError: stage must be one of the ints (0, 1, 2, 3), got True",
+    "bucket_nan": "ValueError: bucket_mb must be a positive number of megabytes, got nan",
+    "bucket_inf": "ValueError: bucket_mb must be a positive number of megabytes, got inf",
+    "max_norm": "ValueError: 0 is an Embedding with max_norm=1.0: it renormalises rows of its "
+                "weight in place during forward, outside the optimizer, which a sharded weight "
+                "cannot follow (stage 3 holds a gathered copy, stages 1-2 would not all-gather "
+                "the change); use max_norm=None",
+    "empty_param": "ValueError: parameter nothing has no elements (shape (0,)); freeze it "
+                   "(requires_grad=False) or remove it before shard()",
+    "meta": "ValueError: parameter 0.weight is on the meta device (no data yet): materialise "
+            "the model first (model.to_empty(device=...) and initialise it), then shard() it",
+    "zero_redundancy_empty": "ValueError: ZeroRedundancyOptimizer got no parameter that "
+                             "requires grad (0 parameter(s) given)",
+    **{f"outside_optimizer_{s}": f"RuntimeError: this SGD steps parameters of a model sharded "
+       f"at stage {s}, whose gradients live in the optimizer shard() returned (each rank's "
+       "slice): it would train wrong. Use the optimizer shard() returns, built with "
+       "shard(model, stage, optimizer=lambda params: torch.optim.SGD(params, ...))"
+       for s in (1, 2)},
     "precision": "ValueError: precision must be one of ('fp32', 'mixed'), got 'fp16'",
     "bucket": "ValueError: bucket_mb must be a positive number of megabytes, got 0",
     "variant": "ValueError: zero1_variant applies to stage 1 only, not stage 2",

@@ -191,12 +191,49 @@ def unused_refused(stage: int, rank: int, world: int) -> str:
     return "no error"
 
 
+class TwoPaths(nn.Module):
+    """Two units of the same size; `order` says which runs first."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(6, 6)
+        self.b = nn.Linear(6, 6)
+
+    def forward(self, x: torch.Tensor, order: str = "ab") -> torch.Tensor:
+        first, second = (self.a, self.b) if order == "ab" else (self.b, self.a)
+        return second(torch.tanh(first(x)))
+
+
+def disagreements(rank: int, world: int) -> dict:
+    """Ranks that were given different things fail together, loudly."""
+    def attempt(fn):
+        try:
+            fn()
+        except (RuntimeError, ValueError) as exc:
+            return f"{type(exc).__name__}: {exc}"
+        return "no error"
+
+    def rank_dependent_order():
+        torch.manual_seed(SEED)
+        model, _ = shard(TwoPaths(), 3, adamw, check_order=True)
+        model(torch.ones(2, 6), order="ab" if rank == 0 else "ba").sum().backward()
+
+    return {
+        "stage": attempt(lambda: shard(Gated(), 1 if rank == 0 else 2, adamw)),
+        # the same number of elements (24), other shapes
+        "shapes": attempt(lambda: shard(nn.Linear(4, 6, bias=False) if rank == 0
+                                        else nn.Linear(6, 4, bias=False), 1, adamw)),
+        "order": attempt(rank_dependent_order),
+    }
+
+
 def main() -> None:
     info = init_worker()
     cases = [run(name, stage, info.rank, info.world_size)
              for name, (*_, stages) in SCENARIOS.items() for stage in stages]
     refused = {stage: unused_refused(stage, info.rank, info.world_size) for stage in range(4)}
-    report({"cases": cases, "refused": refused})
+    report({"cases": cases, "refused": refused,
+            "disagree": disagreements(info.rank, info.world_size)})
 
 
 if __name__ == "__main__":

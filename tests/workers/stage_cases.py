@@ -307,9 +307,30 @@ def error_cases() -> dict:
     def all_frozen():
         return mlp().requires_grad_(False)
 
+    def with_empty_parameter():
+        m = mlp()
+        m.register_parameter("nothing", nn.Parameter(torch.empty(0)))
+        return m
+
+    def outside_optimizer(stage):
+        model, _ = shard(mlp(), stage)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)  # not through shard()
+        model(torch.ones(2, 5)).sum().backward()
+        opt.step()
+
     sharded = shard(mlp(), 0)[0]
     probe_model = mlp()
     return {
+        "stage_float": message(lambda: shard(mlp(), 1.0)),
+        "stage_bool": message(lambda: shard(mlp(), True)),
+        "bucket_nan": message(lambda: shard(mlp(), 2, bucket_mb=float("nan"))),
+        "bucket_inf": message(lambda: shard(mlp(), 2, bucket_mb=float("inf"))),
+        "max_norm": message(lambda: shard(nn.Sequential(nn.Embedding(9, 4, max_norm=1.0)), 1)),
+        "empty_param": message(lambda: shard(with_empty_parameter(), 1)),
+        "meta": message(lambda: shard(mlp().to("meta"), 1)),
+        "zero_redundancy_empty": message(lambda: ZeroRedundancyOptimizer([], torch.optim.Adam)),
+        "outside_optimizer_1": message(lambda: outside_optimizer(1)),
+        "outside_optimizer_2": message(lambda: outside_optimizer(2)),
         "stage5": message(lambda: shard(mlp(), 5)),
         "precision": message(lambda: shard(mlp(), 1, precision="fp16")),
         "bucket": message(lambda: shard(mlp(), 2, bucket_mb=0)),

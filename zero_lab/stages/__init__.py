@@ -27,6 +27,7 @@ which knows the flat groups and the fp32 masters).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
 
 import torch
@@ -37,7 +38,11 @@ from zero_lab.partition import TRANSPORTS, make_flat_groups
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.mixed_precision import COMPUTE_DTYPE, to_compute_dtype
-from zero_lab.stages.sharded_optimizer import ShardedOptimizer, make_plan
+from zero_lab.stages.sharded_optimizer import (
+    ShardedOptimizer,
+    make_plan,
+    refuse_outside_optimizers,
+)
 from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
 from zero_lab.stages.zero1 import Zero1, ZeroRedundancyOptimizer
 from zero_lab.stages.zero2 import Zero2
@@ -68,6 +73,7 @@ def shard(
     find_unused_parameters: bool = False,
     zero1_variant: str = "reduce_scatter",
     unit_classes: Sequence[type] | None = None,
+    check_order: bool = False,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
@@ -88,16 +94,23 @@ def shard(
     gradient; True lets parameters go unused (no rank used them: `.grad` stays None and the
     optimizer leaves them alone, as in one process) for one small all-reduce per backward.
     `zero1_variant="all_reduce"` gives the seed notes' stage 1 that all-reduces gradients
-    (3Ψ per step instead of 2Ψ). Needs an initialised default process group; call it on every
-    rank.
+    (3Ψ per step instead of 2Ψ). `check_order=True` (stage 3, a debug aid) checks before every
+    all-gather that all ranks gather the same unit. Needs an initialised default process
+    group; call it on every rank: the ranks first check they were all given the same model
+    and settings (one small all-gather), and refuse together if not.
     """
     _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
-                     unit_classes, find_unused_parameters)
+                     unit_classes, find_unused_parameters, check_order)
     _check_model(model)
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     plan = make_plan(optimizer, [p for _, p in trainable], list(model.parameters()))
+    _check_ranks_agree(model, plan, stage=stage, precision=precision, transport=transport,
+                       bucket_mb=bucket_mb, prefetch=prefetch, zero1_variant=zero1_variant,
+                       find_unused_parameters=find_unused_parameters, check_order=check_order,
+                       unit_classes=[getattr(c, "__qualname__", repr(c))
+                                     for c in unit_classes or []])
     compute_dtype = COMPUTE_DTYPE if precision == "mixed" else None
 
     # 1. Trainable parameters, each once (a tied weight is one Parameter), into flat groups;
@@ -135,7 +148,8 @@ def shard(
     sync: GradientSync
     unused = find_unused_parameters
     if stage == 3:
-        sync = Zero3(model, units, prefetch=prefetch, find_unused_parameters=unused)
+        sync = Zero3(model, units, prefetch=prefetch, find_unused_parameters=unused,
+                     check_order=check_order)
     elif stage == 2:
         sync = Zero2(groups, find_unused_parameters=unused)
     elif stage == 1:
@@ -144,6 +158,8 @@ def shard(
         sync = DataParallel(groups, find_unused_parameters=unused)
     opt = ShardedOptimizer(sync, plan, masters or None)
     setattr(model, SHARDED_ATTR, opt)
+    if stage in (1, 2):
+        refuse_outside_optimizers([p for group in groups for p in group.params], stage)
     # Stages 2 and 3 keep gradients where model.zero_grad() cannot see them (the owned
     # slices): route it to the optimizer, so a loop that calls model.zero_grad() stays right.
     model.zero_grad = opt.zero_grad
@@ -168,15 +184,18 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
-                     unit_classes, find_unused_parameters) -> None:
-    if stage not in STAGES or isinstance(stage, bool):
-        raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
+                     unit_classes, find_unused_parameters, check_order) -> None:
+    if type(stage) is not int or stage not in STAGES:  # not True, not 1.0
+        raise ValueError(f"stage must be one of the ints {STAGES}, got {stage!r}")
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float)) or bucket_mb <= 0:
+    if (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float))
+            or not math.isfinite(bucket_mb) or bucket_mb <= 0):
         raise ValueError(f"bucket_mb must be a positive number of megabytes, got {bucket_mb!r}")
     if not isinstance(prefetch, bool):
         raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+    if not isinstance(check_order, bool):
+        raise TypeError(f"check_order must be True or False, got {check_order!r}")
     if not isinstance(find_unused_parameters, bool):
         raise TypeError("find_unused_parameters must be True or False, got "
                         f"{find_unused_parameters!r}")
@@ -186,11 +205,47 @@ def _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_var
         raise ValueError(f"zero1_variant applies to stage 1 only, not stage {stage}")
     if unit_classes is not None and stage != 3:
         raise ValueError(f"unit_classes applies to stage 3 only, not stage {stage}")
+    if check_order and stage != 3:
+        raise ValueError(f"check_order applies to stage 3 only, not stage {stage}")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("shard() needs torch.distributed initialised on every rank; run it "
                            "inside a torchrun worker after zero_lab.launch.init_worker()")
+
+
+def _check_ranks_agree(model: nn.Module, plan: torch.optim.Optimizer, **settings) -> None:
+    """Refuse, on every rank at once, when the ranks were not given the same thing to shard.
+
+    Ranks that disagree would still pair their collectives by size and order, and two models
+    with the same number of elements but other shapes, or two stages, would train wrong in
+    silence. So every rank describes what it was given (settings, every parameter's and
+    buffer's name, shape and dtype, the optimizer's groups) and one all-gather compares them.
+    """
+    mine = {**settings,
+            "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                           for n, p in model.named_parameters()],
+            "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
+            "optimizer": [type(plan).__name__] + [len(g["params"]) for g in plan.param_groups]}
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        for key in mine:
+            ours, other = first[key], theirs[key]
+            if ours == other:
+                continue
+            if isinstance(ours, list) and isinstance(other, list):  # the first entry apart
+                pairs = zip(ours, other, strict=False)  # lengths may differ too
+                i = next((i for i, (a, b) in enumerate(pairs) if a != b),
+                         min(len(ours), len(other)))
+                ours = ours[i] if i < len(ours) else "nothing more"
+                other = other[i] if i < len(other) else "nothing more"
+                key = f"{key}[{i}]"
+            raise ValueError(
+                f"the ranks called shard() differently: rank {rank} has {key} = {other!r} "
+                f"where rank 0 has {ours!r}. Every rank must shard the same model (same "
+                "parameter names and shapes) with the same settings")
 
 
 def _check_model(model: nn.Module) -> None:
@@ -209,10 +264,24 @@ def _check_model(model: nn.Module) -> None:
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
             raise ValueError(f"{name} produces sparse gradients (sparse=True), which flat "
                              "gradient buffers cannot hold; use sparse=False")
+        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
+            raise ValueError(
+                f"{name} is an {type(module).__name__} with max_norm={module.max_norm}: it "
+                "renormalises rows of its weight in place during forward, outside the "
+                "optimizer, which a sharded weight cannot follow (stage 3 holds a gathered "
+                "copy, stages 1-2 would not all-gather the change); use max_norm=None")
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     if not trainable:
         raise ValueError("the model has no trainable parameters (all requires_grad=False)")
+    for name, p in model.named_parameters():
+        if p.is_meta:
+            raise ValueError(f"parameter {name} is on the meta device (no data yet): "
+                             "materialise the model first (model.to_empty(device=...) and "
+                             "initialise it), then shard() it")
     for name, p in trainable:
+        if p.numel() == 0:
+            raise ValueError(f"parameter {name} has no elements (shape {tuple(p.shape)}); "
+                             "freeze it (requires_grad=False) or remove it before shard()")
         if p.dtype != torch.float32:
             raise ValueError(f"parameter {name} is {p.dtype}; shard() takes a float32 model "
                              "(precision='mixed' makes the bf16 copies itself)")

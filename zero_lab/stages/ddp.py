@@ -19,6 +19,7 @@ Communication per step: one all-reduce of Ψ elements, 2Ψ in the paper's count.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 from torch import nn
 
@@ -42,6 +43,9 @@ class DataParallel(GradientSync):
             step_param.grad = grad
             self.step_params.append(step_param)
         self._in_flight: list[dist.Work] = []
+
+    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        self.adopt_grad(g, i, param)
 
     def on_group_ready(self, g: int) -> None:
         # The bucket is complete: start averaging it across ranks, and do not wait.

@@ -203,6 +203,17 @@ class GradientSync:
             for p, view, has in zip(group.params, views, self.has_grad[g], strict=True):
                 p.grad = view if has else None
 
+    def adopt_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        """From the hook: parameter i of group g's gradient into the flat buffer, at once.
+
+        After a zero_grad that set `.grad` to None, autograd made the gradient a tensor of its
+        own: copy it into the parameter's view of the buffer (and free it) while it is fresh
+        in cache, rather than all of them when the group or backward ends."""
+        view = self.grad_views[g][i]
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+
     def adopt_grads(self, g: int, grad_views: list[torch.Tensor]) -> None:
         """Make every `.grad` of group g its view of the group's persistent gradient buffer.
 

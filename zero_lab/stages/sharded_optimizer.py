@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zero_lab.stages.gradient_sync import GradientSync
 
@@ -99,6 +100,42 @@ class Piece:
 
 
 OPTIMIZER_CHUNK = 1 << 20  # elements (4 MiB of fp32) per tensor the torch optimizer sees
+SHARDED_STAGE_ATTR = "_zero_lab_stage"  # set on parameters whose gradients live elsewhere
+
+
+def refuse_outside_optimizers(params: Sequence[nn.Parameter], stage: int) -> None:
+    """Make a torch optimizer built on these parameters (not through shard()) refuse to step.
+
+    At stages 1 and 2 a parameter's `.grad` is not its gradient: the averaged gradient lives
+    in this rank's slice, inside the optimizer shard() returns. An optimizer of one's own
+    would step on nothing (stage 2: `.grad` is None) or on a zeroed buffer outside this
+    rank's slice (stage 1), silently. A global optimizer-step pre-hook (installed once) stops
+    it with the reason. Stage 0 holds the full averaged gradients and stage 3's parameters
+    are the local slices with theirs, so an optimizer of one's own is right there.
+    """
+    for p in params:
+        setattr(p, SHARDED_STAGE_ATTR, stage)
+    global _GUARD
+    if _GUARD is None:
+        _GUARD = register_optimizer_step_pre_hook(_refuse_step)
+
+
+_GUARD = None
+
+
+def _refuse_step(optimizer: torch.optim.Optimizer, args, kwargs) -> None:
+    if isinstance(optimizer, ShardedOptimizer) or getattr(optimizer, "_zero_lab_inner", False):
+        return
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            stage = getattr(p, SHARDED_STAGE_ATTR, None)
+            if stage in (1, 2):
+                raise RuntimeError(
+                    f"this {type(optimizer).__name__} steps parameters of a model sharded at "
+                    f"stage {stage}, whose gradients live in the optimizer shard() returned "
+                    "(each rank's slice): it would train wrong. Use the optimizer shard() "
+                    "returns, built with shard(model, stage, optimizer=lambda params: "
+                    f"torch.optim.{type(optimizer).__name__}(params, ...))")
 
 
 def pieces_of(sync: GradientSync) -> list[Piece]:
@@ -156,6 +193,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         accepted = inspect.signature(type(plan).__init__).parameters
         self.optim = type(plan)(groups, **{k: v for k, v in plan.defaults.items()
                                            if k in accepted})
+        self.optim._zero_lab_inner = True  # steps pieces of this rank: never refused
         super().__init__([t for group in groups for t in group["params"]], self.optim.defaults)
         self.param_groups = self.optim.param_groups  # one source of truth: the inner optimizer
         self.state = self.optim.state

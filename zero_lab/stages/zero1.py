@@ -81,12 +81,7 @@ class Zero1(GradientSync):
         return grad / self.world_size if self._holds_average else None  # None: unchanged
 
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
-        # Into the flat gradient buffer at once (after a zero_grad that set .grad to None,
-        # autograd made a tensor of its own): no full copy waits for the end of backward.
-        view = self.grad_views[g][i]
-        if param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            param.grad = view
+        self.adopt_grad(g, i, param)
 
     def on_backward_end(self) -> None:
         if not self.reduce_in_step:
@@ -145,10 +140,11 @@ class ZeroRedundancyOptimizer(ShardedOptimizer):
         params = list(params)
         # Per-group options work as in torch: the groups are the plan (sharded_optimizer.py).
         tensors = _parameters_in(params)
-        plan = make_plan(lambda _tensors: optimizer_class(params, **defaults), tensors)
         trainable = [p for p in dict.fromkeys(tensors) if p.requires_grad]
         if not trainable:
-            raise ValueError("ZeroRedundancyOptimizer got no parameter that requires grad")
+            raise ValueError("ZeroRedundancyOptimizer got no parameter that requires grad "
+                             f"({len(tensors)} parameter(s) given)")
+        plan = make_plan(lambda _tensors: optimizer_class(params, **defaults), tensors)
         groups = make_flat_groups([(f"param{i}", p) for i, p in enumerate(trainable)][::-1],
                                   bucket_mb * 2**20, transport=transport)
         # step() calls before_step(), which reduce-scatters the gradients.

@@ -88,11 +88,13 @@ class Zero3(Zero2):
     MAX_IN_FLIGHT = 1  # reduce-scatters not yet complete: keeps at most two full gradients
 
     def __init__(self, model: nn.Module, units: list[Unit], prefetch: bool = True,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False, check_order: bool = False) -> None:
         super().__init__([u.group for u in units], owned_slices=[u.local for u in units],
                          find_unused_parameters=find_unused_parameters)
         self.units = units
         self.prefetch = prefetch
+        # Debug aid: before every all-gather, the ranks check they gather the same unit.
+        self.check_order = check_order
         self.forward_order: list[int] | None = None  # recorded on the first forward
         self.backward_order: list[int] | None = None  # recorded on the first backward
         self._forward_record: list[int] | None = None
@@ -120,10 +122,28 @@ class Zero3(Zero2):
         if unit.gathered:
             return
         if unit.work is None:
+            if self.check_order:
+                self._check_same_unit(u)
             self._event("gather", u)
             unit.start_gather()
         if wait:
             unit.finish_gather()
+
+    def _check_same_unit(self, u: int) -> None:
+        """Every rank must gather the same unit now: an all-gather of unit u's slices pairs
+        with whatever all-gather the other ranks issue, and two units of the same size would
+        pair silently (each rank computing with a mix of the two). One small all-gather of
+        the unit's index finds it first. Costs a synchronisation per unit: a debug aid."""
+        mine = torch.tensor([u], dtype=torch.int64, device=self.units[u].local.device)
+        everyone = mine.new_empty(self.world_size)
+        dist.all_gather_into_tensor(everyone, mine, group=self.units[u].group.process_group)
+        if (everyone != u).any():
+            names = {r: self.units[int(v)].name for r, v in enumerate(everyone.tolist())}
+            raise RuntimeError(
+                f"the ranks' forwards differ: rank {self.units[u].group.rank} gathers unit "
+                f"{self.units[u].name!r} while the ranks gather {names}. Stage 3 needs every "
+                "rank to run the same units in the same order (no rank-dependent control "
+                "flow around units); see shard(..., check_order=True)")
 
     def release(self, u: int) -> None:
         unit = self.units[u]
