@@ -102,3 +102,22 @@ def test_ranks_that_disagree_fail_together(ranks):
         assert found["order"].startswith("RuntimeError: the ranks' forwards differ: rank ")
         assert "gathers unit 'a' while the ranks gather {0: 'a', 1: 'b'" in found["order"] or \
             "gathers unit 'b' while the ranks gather {0: 'a', 1: 'b'" in found["order"]
+
+
+def test_mixed_precision_computes_in_the_dtype_asked_for(ranks):
+    """bf16 and fp16 (FSDP2's param_dtype) at every stage, against one process with the same
+    recipe in the same dtype. The ranks reduce 16-bit gradients in another order than one
+    process sums its batch, so they drift apart at that dtype's rounding level, compounding
+    over the steps: bounded, as for the other mixed-precision tests, by the distance the
+    recipe itself puts between it and fp32 training. fp16 keeps 11 significant bits to bf16's
+    8, so it lands closer to fp32: a user asking for fp16 gets fp16's smaller error."""
+    _, reps = ranks
+    for rep in reps:
+        runs = {(r["stage"], r["precision"]): r for r in rep["precisions"]}
+        assert len(runs) == 8
+        for (stage, precision), r in runs.items():
+            assert r["dtype"] == {"bf16": "torch.bfloat16", "fp16": "torch.float16"}[precision]
+            assert 0 < r["precision_gap"] < 0.1, (stage, precision)
+            assert r["max_abs_diff"] <= 2 * r["precision_gap"], (stage, precision, r)
+        for stage in range(4):
+            assert runs[stage, "fp16"]["precision_gap"] < runs[stage, "bf16"]["precision_gap"]

@@ -237,7 +237,8 @@ REFUSALS = {
        "slice): it would train wrong. Use the optimizer shard() returns, built with "
        "shard(model, stage, optimizer=lambda params: torch.optim.SGD(params, ...))"
        for s in (1, 2)},
-    "precision": "ValueError: precision must be one of ('fp32', 'mixed'), got 'fp16'",
+    "precision": "ValueError: precision must be one of ('fp32', 'mixed', 'bf16', 'fp16'), got "
+                 "'fp8'",
     "bucket": "ValueError: bucket_mb must be a positive number of megabytes, got 0",
     "variant": "ValueError: zero1_variant applies to stage 1 only, not stage 2",
     "unit_classes": "ValueError: unit_classes applies to stage 3 only, not stage 1",

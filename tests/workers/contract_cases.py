@@ -23,6 +23,7 @@ from torch import nn
 from zero_lab import workloads as W
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard, sharded_optimizer
+from zero_lab.stages.mixed_precision import COMPUTE_DTYPES, mixed_precision_reference
 
 STEPS = 6
 GLOBAL_BATCH = 12  # splits over 1, 2, 3, 4 ranks
@@ -178,6 +179,44 @@ def run(scenario: str, stage: int, rank: int, world: int) -> dict:
             "seen": seen, "ref_seen": ref_seen}
 
 
+def precision_run(stage: int, precision: str, rank: int, world: int) -> dict:
+    """Mixed precision in the compute dtype asked for, against one process with the same
+    recipe in the same dtype; and how far that recipe itself lands from fp32 training."""
+    def batch(step):
+        return W.mlp_batch(step, GLOBAL_BATCH, 13)
+
+    def train(model, opt, batches):
+        for step in range(STEPS):
+            W.mse_loss(model, batches(step)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    def adam(params):
+        return torch.optim.Adam(params, lr=1e-2)
+
+    def smooth_mlp():  # ReLU's kinks would turn rounding into flipped activations, which
+        # hide the dtype's precision behind chaos; tanh keeps errors proportional
+        return nn.Sequential(nn.Linear(13, 13), nn.Tanh(), nn.Linear(13, 13), nn.Tanh(),
+                             nn.Linear(13, 13))
+
+    torch.manual_seed(SEED + rank)
+    model, opt = shard(smooth_mlp(), stage, adam, precision=precision)
+    train(model, opt, lambda step: W.rank_slice(batch(step), rank, world))
+    torch.manual_seed(SEED)
+    ref, ref_opt = mixed_precision_reference(smooth_mlp(), adam, COMPUTE_DTYPES[precision])
+    train(ref, ref_opt, batch)
+    torch.manual_seed(SEED)
+    fp32 = smooth_mlp()
+    train(fp32, adam(fp32.parameters()), batch)
+    full, ref_full, fp32_full = full_state_dict(model), ref_opt.full_state_dict(ref), \
+        fp32.state_dict()
+    return {"stage": stage, "precision": precision,
+            "dtype": str(next(model.parameters()).dtype),
+            "max_abs_diff": max((full[k] - ref_full[k]).abs().max().item() for k in ref_full),
+            "precision_gap": max((fp32_full[k] - ref_full[k]).abs().max().item()
+                                 for k in ref_full)}
+
+
 def unused_refused(stage: int, rank: int, world: int) -> str:
     """Without find_unused_parameters, a backward that leaves a parameter without a gradient
     is refused (on every rank here: no rank uses `spare`), as torch's DDP refuses it."""
@@ -232,7 +271,9 @@ def main() -> None:
     cases = [run(name, stage, info.rank, info.world_size)
              for name, (*_, stages) in SCENARIOS.items() for stage in stages]
     refused = {stage: unused_refused(stage, info.rank, info.world_size) for stage in range(4)}
-    report({"cases": cases, "refused": refused,
+    precisions = [precision_run(stage, precision, info.rank, info.world_size)
+                  for stage in range(4) for precision in ("bf16", "fp16")]
+    report({"cases": cases, "refused": refused, "precisions": precisions,
             "disagree": disagreements(info.rank, info.world_size)})
 
 

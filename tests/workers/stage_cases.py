@@ -332,7 +332,7 @@ def error_cases() -> dict:
         "outside_optimizer_1": message(lambda: outside_optimizer(1)),
         "outside_optimizer_2": message(lambda: outside_optimizer(2)),
         "stage5": message(lambda: shard(mlp(), 5)),
-        "precision": message(lambda: shard(mlp(), 1, precision="fp16")),
+        "precision": message(lambda: shard(mlp(), 1, precision="fp8")),
         "bucket": message(lambda: shard(mlp(), 2, bucket_mb=0)),
         "variant": message(lambda: shard(mlp(), 2, zero1_variant="all_reduce")),
         "unit_classes": message(lambda: shard(mlp(), 1, unit_classes=(nn.Linear,))),

@@ -37,7 +37,7 @@ from torch import nn
 from zero_lab.partition import TRANSPORTS, make_flat_groups
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
-from zero_lab.stages.mixed_precision import COMPUTE_DTYPE, to_compute_dtype
+from zero_lab.stages.mixed_precision import COMPUTE_DTYPES, to_compute_dtype
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
     make_plan,
@@ -52,7 +52,7 @@ __all__ = ["shard", "full_state_dict", "ShardedOptimizer", "ZeroRedundancyOptimi
            "DataParallel", "Zero1", "Zero2", "Zero3"]
 
 STAGES = (0, 1, 2, 3)
-PRECISIONS = ("fp32", "mixed")
+PRECISIONS = ("fp32", "mixed", "bf16", "fp16")  # "mixed" is bf16
 SHARDED_ATTR = "_zero_lab_sharded"  # set on a sharded model: the object behind full_state_dict
 FIRST_BUCKET_MB = 1.0  # as torch's DDP: a small first bucket starts communicating early
 
@@ -86,8 +86,9 @@ def shard(
     Adam, AdamW, ...); it is called once on the trainable parameters, full-shaped, and its
     parameter groups and settings are applied to this rank's pieces of them. `bucket_mb` sizes
     the flat groups of stages 0-2 (and so their collectives). `prefetch` matters only for
-    stage 3. `precision`: "fp32", or "mixed" (bf16 compute, fp32 masters and optimizer states
-    for the owned slice). `transport`: how the flat groups send reduce-scatters and
+    stage 3. `precision`: "fp32", or mixed precision computing in "bf16" ("mixed" means the
+    same) or "fp16", with fp32 masters and optimizer states for the owned slice
+    (mixed_precision.py). `transport`: how the flat groups send reduce-scatters and
     all-gathers: "auto" (a direct exchange on gloo, torch's collectives elsewhere; see
     collectives/exchange.py), "torch" or "direct". `find_unused_parameters`, as in torch's
     DDP: False (the default) refuses a backward that leaves a trainable parameter without a
@@ -111,7 +112,7 @@ def shard(
                        find_unused_parameters=find_unused_parameters, check_order=check_order,
                        unit_classes=[getattr(c, "__qualname__", repr(c))
                                      for c in unit_classes or []])
-    compute_dtype = COMPUTE_DTYPE if precision == "mixed" else None
+    compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
 
     # 1. Trainable parameters, each once (a tied weight is one Parameter), into flat groups;
     #    every rank starts from rank 0's values. Stages 0-2: buckets of about bucket_mb, the
@@ -142,7 +143,8 @@ def shard(
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
     if compute_dtype:
-        to_compute_dtype(model, skip={id(p) for group in groups for p in group.params})
+        to_compute_dtype(model, compute_dtype,
+                         skip={id(p) for group in groups for p in group.params})
 
     # 3. The stage's gradient path (hooks, collectives), and the optimizer on what it updates.
     sync: GradientSync

@@ -1,15 +1,21 @@
 """Mixed precision, the recipe the ZeRO paper's 16 bytes per parameter assume.
 
-The model computes in bf16: its parameters (and floating buffers) are bf16, so are the
-gradients autograd produces (2 + 2 bytes per parameter). Inputs are cast to bf16 on the way
-in and outputs back to fp32 on the way out, so the loss is computed in fp32. The update is
-applied to an fp32 *master* copy of the weights with fp32 optimizer states (4 + 4 + 4 bytes
-with Adam) and rounded back into the bf16 parameters; without the master, small updates
-would vanish in bf16 rounding.
+The model computes in a 16-bit dtype, bf16 or fp16 (the user's choice, as FSDP2's
+`MixedPrecisionPolicy(param_dtype=...)`): its parameters (and floating buffers) are in it, so
+are the gradients autograd produces and the collectives that carry them (2 + 2 bytes per
+parameter). Inputs are cast on the way in and outputs back to fp32 on the way out, so the
+loss is computed in fp32. The update is applied to an fp32 *master* copy of the weights with
+fp32 optimizer states (4 + 4 + 4 bytes with Adam) and rounded back into the 16-bit
+parameters; without the master, small updates would vanish in the rounding.
 
-`shard(..., precision="mixed")` keeps masters and states only for the slice a rank owns.
-`mixed_precision_reference()` is the same recipe in one process, without any sharding: the
-reference that sharded mixed-precision training is checked against.
+bf16 keeps fp32's range with 8 significant bits; fp16 has 11 significant bits (closer to
+fp32 training) but a range that ends at 65504 and, below 6e-8, flushes gradients to zero.
+Large models use a loss scaler with fp16 (torch's GradScaler); this course's models do not
+need one, and neither does its one-process reference.
+
+`shard(..., precision="bf16" | "fp16")` ("mixed" means bf16) keeps masters and states only
+for the slice a rank owns. `mixed_precision_reference()` is the same recipe in one process,
+without any sharding: the reference that sharded mixed-precision training is checked against.
 """
 
 from __future__ import annotations
@@ -21,7 +27,8 @@ from torch import nn
 
 from zero_lab.stages.gradient_sync import clear_grads
 
-COMPUTE_DTYPE = torch.bfloat16
+# precision (shard()'s argument) -> the dtype the model computes in
+COMPUTE_DTYPES = {"mixed": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def cast_floats(obj, dtype: torch.dtype):
@@ -36,20 +43,20 @@ def cast_floats(obj, dtype: torch.dtype):
     return obj
 
 
-def to_compute_dtype(model: nn.Module, skip: frozenset[int] | set[int] = frozenset()) -> None:
-    """Make `model` compute in bf16: floating parameters and buffers become bf16 (except the
-    parameters whose id is in `skip`), inputs are cast to bf16 and outputs back to fp32."""
+def to_compute_dtype(model: nn.Module, dtype: torch.dtype,
+                     skip: frozenset[int] | set[int] = frozenset()) -> None:
+    """Make `model` compute in `dtype`: floating parameters and buffers are cast to it (except
+    the parameters whose id is in `skip`), inputs too, and outputs back to fp32."""
     with torch.no_grad():
         for p in model.parameters():
             if id(p) not in skip and p.is_floating_point():
-                p.data = p.data.to(COMPUTE_DTYPE)
+                p.data = p.data.to(dtype)
         for module in model.modules():
             for name, buf in module.named_buffers(recurse=False):
                 if buf.is_floating_point():
-                    setattr(module, name, buf.to(COMPUTE_DTYPE))
+                    setattr(module, name, buf.to(dtype))
     model.register_forward_pre_hook(
-        lambda _m, args, kwargs: (cast_floats(args, COMPUTE_DTYPE),
-                                  cast_floats(kwargs, COMPUTE_DTYPE)),
+        lambda _m, args, kwargs: (cast_floats(args, dtype), cast_floats(kwargs, dtype)),
         with_kwargs=True)
     model.register_forward_hook(lambda _m, _args, out: cast_floats(out, torch.float32))
 
@@ -100,9 +107,11 @@ class MasterWeightOptimizer:
 def mixed_precision_reference(
     model: nn.Module,
     optimizer: Callable = lambda params: torch.optim.Adam(params, lr=1e-3),
+    dtype: torch.dtype = torch.bfloat16,
 ) -> tuple[nn.Module, MasterWeightOptimizer]:
-    """Turn a float32 `model` (in place) into single-process bf16 training with fp32 masters."""
+    """Turn a float32 `model` (in place) into single-process training in `dtype` (bf16 or
+    fp16) with fp32 masters."""
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().clone() for p in params]  # fp32 values before any rounding
-    to_compute_dtype(model)
+    to_compute_dtype(model, dtype)
     return model, MasterWeightOptimizer(params, masters, optimizer)
