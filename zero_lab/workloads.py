@@ -101,6 +101,26 @@ class TinyGPT(nn.Module):
         return self.head(self.ln_f(x))
 
 
+class SometimesMLP(nn.Module):
+    """A trunk and a head; a `spare` layer no forward uses; a `sometimes` layer, scaled by a
+    0-d `gate`, used only when `forward(x, use=True)`: parameters that get no gradient in
+    some steps, which one process leaves alone (`.grad` None, no optimizer step)."""
+
+    def __init__(self, d_in: int = 7, d: int = 9, d_out: int = 3) -> None:
+        super().__init__()
+        self.trunk = nn.Sequential(nn.Linear(d_in, d), nn.Tanh())
+        self.sometimes = nn.Linear(d, d)
+        self.spare = nn.Linear(d, d)
+        self.gate = nn.Parameter(torch.tensor(0.3))
+        self.head = nn.Linear(d, d_out)
+
+    def forward(self, x: torch.Tensor, use: bool = True) -> torch.Tensor:
+        h = self.trunk(x)
+        if use:
+            h = h + self.gate * torch.tanh(self.sometimes(h))
+        return self.head(h)
+
+
 def count_parameters(model: nn.Module, trainable_only: bool = False) -> int:
     """Ψ: elements of the model's distinct parameters (a tied weight counts once)."""
     return sum(p.numel() for p in model.parameters() if p.requires_grad or not trainable_only)

@@ -31,23 +31,7 @@ SEED = 99
 sharded_optimizer.OPTIMIZER_CHUNK = 37  # many chunks per parameter: the chunked path too
 
 
-class Gated(nn.Module):
-    """A trunk, a head, a `spare` layer no forward uses, a `sometimes` layer used when asked,
-    and a 0-d `gate` used with it."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.trunk = nn.Sequential(nn.Linear(7, 9), nn.Tanh())
-        self.sometimes = nn.Linear(9, 9)
-        self.spare = nn.Linear(9, 9)
-        self.gate = nn.Parameter(torch.tensor(0.3))
-        self.head = nn.Linear(9, 3)
-
-    def forward(self, x: torch.Tensor, use: bool = True) -> torch.Tensor:
-        h = self.trunk(x)
-        if use:
-            h = h + self.gate * torch.tanh(self.sometimes(h))
-        return self.head(h)
+Gated = W.SometimesMLP  # a spare layer, a layer used when asked
 
 
 def gated_batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
