@@ -39,10 +39,11 @@ def cases(ranks, scenario: str) -> list[tuple[int, dict]]:
             if c["scenario"] == scenario]
 
 
-@pytest.mark.parametrize("scenario", ["unused", "rank_usage", "zero_grad", "groups"])
+@pytest.mark.parametrize("scenario", ["unused", "rank_usage", "zero_grad", "groups",
+                                      "root_replicate"])
 def test_trains_as_one_process(ranks, scenario):
     found = cases(ranks, scenario)
-    assert {c["stage"] for _, c in found} >= {0, 1, 2}
+    assert {c["stage"] for _, c in found} >= ({3} if scenario == "root_replicate" else {0, 1, 2})
     for rank, c in found:
         assert c["max_abs_diff"] <= FP32_ATOL, (c["name"], rank, c["worst_key"],
                                                 c["max_abs_diff"])
@@ -121,3 +122,17 @@ def test_mixed_precision_computes_in_the_dtype_asked_for(ranks):
             assert r["max_abs_diff"] <= 2 * r["precision_gap"], (stage, precision, r)
         for stage in range(4):
             assert runs[stage, "fp16"]["precision_gap"] < runs[stage, "bf16"]["precision_gap"]
+
+
+def test_replicated_root_parameters_are_whole_and_identical_on_every_rank(ranks):
+    """root_params="replicate": the tied embedding no unit claims keeps its full shape on
+    every rank, with the same averaged gradient as one process; the global clip norm counts
+    it once."""
+    found = cases(ranks, "root_replicate")
+    assert len(found) == len(ranks[1])
+    for rank, c in found:
+        seen, ref = c["seen"], c["ref_seen"]
+        assert seen["shape"] == seen["grad_shape"] == ref["shape"] == [19, 8], rank
+        assert seen["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-6)
+        assert seen["norms"] == pytest.approx(ref["norms"], rel=1e-5)
+        assert max(ref["norms"]) > 0.05  # clipping was active

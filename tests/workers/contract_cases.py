@@ -53,6 +53,10 @@ def adamw(params):
     return torch.optim.AdamW(params, lr=2e-2, weight_decay=0.1)
 
 
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.5, momentum=0.9)
+
+
 def nanogpt_groups(params):
     """nanoGPT's configure_optimizers: weight decay for matrices only; here each group also
     gets its own learning rate, so a group applied to the wrong parameters shows."""
@@ -125,6 +129,26 @@ def loop_groups(model, opt, batch, rank, world, reference):
             "decays": [group["weight_decay"] for group in opt.param_groups]}
 
 
+def loop_root(model, opt, batch, rank, world, reference):
+    """Stage 3 with root_params="replicate": the tied embedding (claimed by no unit but the
+    root) stays full-shaped on every rank, its gradient averaged; clipping counts it once."""
+    seen = {}
+    for step in range(STEPS):
+        W.next_token_loss(model, batch(step)).backward()
+        if step == 0:
+            weight = dict(model.named_parameters())["tok_emb.weight"]
+            seen = {"shape": list(weight.shape), "grad_shape": list(weight.grad.shape),
+                    "grad_norm": weight.grad.double().norm().item()}
+        if reference:
+            seen.setdefault("norms", []).append(
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.05).item())
+        else:
+            seen.setdefault("norms", []).append(opt.clip_grad_norm_(0.05).item())
+        opt.step()
+        opt.zero_grad()
+    return seen
+
+
 def _grad_is_none(model, names) -> list[bool]:
     params = dict(model.named_parameters())
     return [params[n].grad is None for n in names]
@@ -135,6 +159,8 @@ SCENARIOS = {  # name: (model, batch, optimizer function, loop, stages)
     "rank_usage": (Gated, gated_batch, adamw, loop_rank_usage, (0, 1, 2)),
     "zero_grad": (Gated, gated_batch, adamw, loop_zero_grad, (0, 1, 2, 3)),
     "groups": (gpt, gpt_batch, nanogpt_groups, loop_groups, (0, 1, 2, 3)),
+    # SGD: Adam would turn the rounding noise of tiny clipped gradients into full steps
+    "root_replicate": (gpt, gpt_batch, sgd, loop_root, (3,)),
 }
 
 
@@ -145,8 +171,10 @@ def run(scenario: str, stage: int, rank: int, world: int) -> dict:
     torch.manual_seed(SEED)
     ref = make_model()
     initial = {k: v.clone() for k, v in ref.state_dict().items()}
+    extra = {"root_params": "replicate"} if scenario == "root_replicate" else {}
     model, opt = shard(model, stage, make_opt, bucket_mb=300 / 2**20,  # several buckets
-                       find_unused_parameters=make_model is Gated)  # it has a spare layer
+                       find_unused_parameters=make_model is Gated,  # it has a spare layer
+                       **extra)
 
     def local(step):
         return W.rank_slice(batch(step), rank, world)

@@ -53,6 +53,7 @@ __all__ = ["shard", "full_state_dict", "ShardedOptimizer", "ZeroRedundancyOptimi
 
 STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "mixed", "bf16", "fp16")  # "mixed" is bf16
+ROOT_PARAMS = ("shard", "replicate")  # stage 3: what becomes of parameters no unit claims
 SHARDED_ATTR = "_zero_lab_sharded"  # set on a sharded model: the object behind full_state_dict
 FIRST_BUCKET_MB = 1.0  # as torch's DDP: a small first bucket starts communicating early
 
@@ -73,6 +74,7 @@ def shard(
     find_unused_parameters: bool = False,
     zero1_variant: str = "reduce_scatter",
     unit_classes: Sequence[type] | None = None,
+    root_params: str = "shard",
     check_order: bool = False,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
@@ -81,7 +83,11 @@ def shard(
     1: optimizer states sharded; 2: optimizer states and gradients sharded; 3: parameters
     too, gathered unit by unit (zero3.py). `unit_classes` (stage 3 only), e.g. (Block,),
     makes every module of those classes a unit, like FSDP's wrapping policy; by default each
-    child module that owns parameters and is called is one.
+    child module that owns parameters and is called is one. `root_params` (stage 3): the
+    parameters no unit claims (small norms and biases at the root, a tied embedding) are one
+    more unit, sharded like the others ("shard", FSDP2's fully_shard(model) on the root), or
+    kept whole on every rank with their gradients all-reduced ("replicate"), so every rank
+    sees the same full-shaped tensor.
     `optimizer` builds a torch optimizer from a list of parameters (an element-wise one: SGD,
     Adam, AdamW, ...); it is called once on the trainable parameters, full-shaped, and its
     parameter groups and settings are applied to this rank's pieces of them. `bucket_mb` sizes
@@ -101,7 +107,7 @@ def shard(
     and settings (one small all-gather), and refuse together if not.
     """
     _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
-                     unit_classes, find_unused_parameters, check_order)
+                     unit_classes, find_unused_parameters, check_order, root_params)
     _check_model(model)
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
@@ -111,7 +117,7 @@ def shard(
                        bucket_mb=bucket_mb, prefetch=prefetch, zero1_variant=zero1_variant,
                        find_unused_parameters=find_unused_parameters, check_order=check_order,
                        unit_classes=[getattr(c, "__qualname__", repr(c))
-                                     for c in unit_classes or []])
+                                     for c in unit_classes or []], root_params=root_params)
     compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
 
     # 1. Trainable parameters, each once (a tied weight is one Parameter), into flat groups;
@@ -119,7 +125,8 @@ def shard(
     #    last layers first (the order backward produces their gradients). Stage 3: one group
     #    per unit, of which this rank keeps only its slice (zero3.py).
     if stage == 3:
-        units, masters = make_units(model, unit_classes, transport, compute_dtype)
+        units, masters = make_units(model, unit_classes, transport, compute_dtype,
+                                    replicate_root=root_params == "replicate")
         groups = [unit.group for unit in units]
     else:
         element_size = compute_dtype.itemsize if compute_dtype else 4  # of the gradients
@@ -186,7 +193,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
-                     unit_classes, find_unused_parameters, check_order) -> None:
+                     unit_classes, find_unused_parameters, check_order, root_params) -> None:
     if type(stage) is not int or stage not in STAGES:  # not True, not 1.0
         raise ValueError(f"stage must be one of the ints {STAGES}, got {stage!r}")
     if precision not in PRECISIONS:
@@ -209,6 +216,10 @@ def _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_var
         raise ValueError(f"unit_classes applies to stage 3 only, not stage {stage}")
     if check_order and stage != 3:
         raise ValueError(f"check_order applies to stage 3 only, not stage {stage}")
+    if root_params not in ROOT_PARAMS:
+        raise ValueError(f"root_params must be one of {ROOT_PARAMS}, got {root_params!r}")
+    if root_params != "shard" and stage != 3:
+        raise ValueError(f"root_params applies to stage 3 only, not stage {stage}")
     if transport not in TRANSPORTS:
         raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
     if not (dist.is_available() and dist.is_initialized()):

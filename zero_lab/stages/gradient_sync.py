@@ -80,6 +80,9 @@ class GradientSync:
                  ) -> None:
         self.groups = groups
         self.find_unused_parameters = find_unused_parameters
+        # Groups kept whole on every rank in a sharded stage (stage 3's root_params=
+        # "replicate"): their gradients are all-reduced and they are stepped whole.
+        self.replicated = [False] * len(groups)
         self.world_size = groups[0].world_size
         self.step_params: list[nn.Parameter] = []  # filled by the subclass
         self._ready_params = [0] * len(groups)
@@ -177,6 +180,10 @@ class GradientSync:
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles.clear()
+
+    def group_sharded(self, g: int) -> bool:
+        """Does the optimizer step only this rank's slice of group g?"""
+        return self.sharded and not self.replicated[g]
 
     # ------------------------------------------------------------------ shared helpers
     def make_grad_buffers(self) -> None:

@@ -148,7 +148,7 @@ def pieces_of(sync: GradientSync) -> list[Piece]:
     same elements as 4 MiB tensors)."""
     pieces = []
     for g, group in enumerate(sync.groups):
-        if sync.sharded:
+        if sync.group_sharded(g):
             spans = [(pc.index, pc.shard_start, pc.numel) for pc in group.shard_pieces()]
         else:
             spans = list(zip(range(len(group.params)), group.offsets, group.numels, strict=True))
@@ -235,26 +235,30 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """Scale the gradients so their global norm is at most `max_norm`; return that norm.
 
         Same formula as torch.nn.utils.clip_grad_norm_. Each rank holds the final gradient of
-        its slices only (stages 1-2), so it computes the sum of |g|^p over them and one
-        all-reduce adds the sums of all ranks (the max, for norm_type=inf). Padding is zero.
+        its slices only (stages 1-3), so it computes the sum of |g|^p over them and one
+        all-reduce adds the sums of all ranks (the max, for norm_type=inf); groups every rank
+        holds whole (stage 0, stage 3's replicated root) count once. Padding is zero.
         """
         norm_type = float(norm_type)
-        grads = [p.grad for p in self.sync.step_params if p.grad is not None]
-        device = self.sync.groups[0].device
-        if grads:
-            norms = torch.stack([torch.linalg.vector_norm(g, norm_type, dtype=torch.float32)
-                                 for g in grads])
-        else:
-            norms = torch.zeros(1, device=device)
-        if math.isinf(norm_type):
-            total = norms.max()
-            if self.sync.sharded:
-                dist.all_reduce(total, op=dist.ReduceOp.MAX)
-        else:
-            total = norms.pow(norm_type).sum()
-            if self.sync.sharded:
-                dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            total = total.pow(1.0 / norm_type)
+        inf = math.isinf(norm_type)
+        grads, sliced, whole = [], [], []
+        for g, p in enumerate(self.sync.step_params):
+            if p.grad is not None:
+                grads.append(p.grad)
+                (sliced if self.sync.group_sharded(g) else whole).append(p.grad)
+
+        def part(tensors: list[torch.Tensor]) -> torch.Tensor:  # max |g|, or sum of |g|^p
+            if not tensors:
+                return torch.zeros((), device=self.sync.groups[0].device)
+            norms = torch.stack([torch.linalg.vector_norm(t, norm_type, dtype=torch.float32)
+                                 for t in tensors])
+            return norms.max() if inf else norms.pow(norm_type).sum()
+
+        total_sliced, total_whole = part(sliced), part(whole)
+        if self.sync.sharded:
+            dist.all_reduce(total_sliced, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        total = (torch.maximum(total_sliced, total_whole) if inf
+                 else (total_sliced + total_whole).pow(1.0 / norm_type))
         if error_if_nonfinite and not torch.isfinite(total):
             raise RuntimeError(f"the total norm of order {norm_type} of the gradients is "
                                "non-finite, so it cannot be clipped")
@@ -272,7 +276,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for g, group in enumerate(self.sync.groups):
             if self.master_weights is None:
                 flat = self.sync.full_flat_params(g)
-            elif self.sync.sharded:
+            elif self.sync.group_sharded(g):
                 flat = group.new_full(torch.float32)
                 group.all_gather(flat, self.master_weights[g].detach())
             else:

@@ -117,15 +117,23 @@ class Unit:
     """
 
     def __init__(self, name: str, module: nn.Module, group: FlatParamGroup,
-                 local: torch.Tensor) -> None:
+                 local: torch.Tensor, replicated: bool = False) -> None:
         self.name = name
         self.module = module
         self.group = group
         self.params = group.params
         self.local = local
-        self.full = group.new_full(local.dtype)
-        self.full_views = group.views(self.full)  # made while the storage exists
-        free_storage(self.full)  # nothing gathered yet
+        # A replicated unit (shard(..., root_params="replicate")) keeps the whole flat
+        # buffer on every rank: `local` is it, nothing is gathered or freed, and each
+        # parameter keeps its full shape.
+        self.replicated = replicated
+        if replicated:
+            self.full = local
+            self.full_views = group.views(local)
+        else:
+            self.full = group.new_full(local.dtype)
+            self.full_views = group.views(self.full)  # made while the storage exists
+            free_storage(self.full)  # nothing gathered yet
         # Where each parameter's local piece sits in `local`: [start, end).
         spans = [(0, 0)] * len(self.params)
         for piece in group.shard_pieces():
@@ -138,17 +146,23 @@ class Unit:
             p.data = piece
 
     def pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's 1-D piece of a slice-sized tensor (the parameters, a gradient)."""
+        """Each parameter's 1-D piece of a slice-sized tensor (the parameters, a gradient);
+        for a replicated unit, each parameter's full-shaped view of the whole buffer."""
+        if self.replicated:
+            return self.group.views(shard)
         return [shard[start:end] for start, end in self.spans]
 
     def start_gather(self) -> None:
         """Give `full` its memory back and start the all-gather into it (asynchronously)."""
+        if self.replicated:
+            return
         allocate_storage(self.full)
         self.work = self.group.all_gather(self.full, self.local, async_op=True)
 
     def finish_gather(self) -> None:
         """Wait for the all-gather; the parameters become views of the full buffer."""
-        self.work.wait()
+        if self.work is not None:  # a replicated unit has none to wait for
+            self.work.wait()
         self.work = None
         for p, view in zip(self.params, self.full_views, strict=True):
             p.data = view
@@ -163,10 +177,12 @@ class Unit:
         if self.work is not None:  # a prefetched all-gather nobody used
             self.work.wait()
             self.work = None
+        self.gathered = False
+        if self.replicated:
+            return
         for p, piece in zip(self.params, self.local_views, strict=True):
             p.data = piece
         free_storage(self.full)
-        self.gathered = False
 
     @property
     def busy(self) -> bool:

@@ -85,8 +85,13 @@ class Zero2(GradientSync):
                 full[group.offsets[i]:group.offsets[i] + group.numels[i]].zero_()
         full[group.numel:].zero_()  # the padding
         self._buckets[g], self._arrived[g] = None, [False] * len(group.params)
-        owned = group.new_shard(zeroed=False)
-        work = group.reduce_scatter(owned, full, op=dist.ReduceOp.AVG, async_op=True)
+        if self.replicated[g]:  # kept whole on every rank: average the whole gradient
+            owned = full
+            work = dist.all_reduce(full, op=dist.ReduceOp.AVG, async_op=True,
+                                   group=group.process_group)
+        else:
+            owned = group.new_shard(zeroed=False)
+            work = group.reduce_scatter(owned, full, op=dist.ReduceOp.AVG, async_op=True)
         self._in_flight.append(_InFlight(g, work, full, owned))
         self._retire(keep=self.MAX_IN_FLIGHT)
 

@@ -10,7 +10,10 @@ that owns trainable parameters (containers such as nn.ModuleList and nn.Sequenti
 looked into, so each block of a stack is a unit), or every module of the classes you list
 (`unit_classes`, FSDP's wrapping policy); units.py cuts the model. What no unit claims (and
 a weight tied or shared between two units) belongs to the unit enclosing both, at the least
-the root unit, the model itself. Each unit's trainable parameters are one `FlatParamGroup`
+the root unit, the model itself. The root unit is sharded like the others (FSDP2's choice),
+or, with `root_params="replicate"`, kept whole on every rank: its gradient all-reduced, its
+parameters stepped whole (DeepSpeed's choice for parameters below its persistence threshold).
+Each unit's trainable parameters are one `FlatParamGroup`
 (partition.py): this rank holds the slice [r·S, (r+1)·S) of its padded flat buffer, in
 memory of its own (`Unit.local`). A unit is gathered by hooks on its forward, so it must be
 *called*: a parent that reads a child's weight without calling the child needs
@@ -92,6 +95,7 @@ class Zero3(Zero2):
         super().__init__([u.group for u in units], owned_slices=[u.local for u in units],
                          find_unused_parameters=find_unused_parameters)
         self.units = units
+        self.replicated = [unit.replicated for unit in units]
         self.prefetch = prefetch
         # Debug aid: before every all-gather, the ranks check they gather the same unit.
         self.check_order = check_order
@@ -119,7 +123,7 @@ class Zero3(Zero2):
     def gather(self, u: int, wait: bool = True) -> None:
         """Make unit u's full parameters available (start only, when `wait` is False)."""
         unit = self.units[u]
-        if unit.gathered:
+        if unit.gathered or unit.replicated:
             return
         if unit.work is None:
             if self.check_order:
@@ -271,14 +275,17 @@ class Zero3(Zero2):
     def full_flat_params(self, g: int) -> torch.Tensor:
         """A full copy of unit g's flat parameters (an all-gather: call it on every rank)."""
         unit = self.units[g]
+        if unit.replicated:
+            return unit.local
         full = unit.group.new_full(unit.local.dtype)
         unit.group.all_gather(full, unit.local)
         return full
 
     # ------------------------------------------------------------------ for learners
     def gathered_bytes(self) -> int:
-        """Bytes of full parameter buffers allocated right now (0 between steps)."""
-        return sum(u.full.untyped_storage().nbytes() for u in self.units)
+        """Bytes of full parameter buffers allocated right now (0 between steps); a
+        replicated unit's buffer is its local one, never gathered, so it does not count."""
+        return sum(u.full.untyped_storage().nbytes() for u in self.units if not u.replicated)
 
     def describe(self) -> list[dict]:
         """One row per unit: name, parameters, elements, padded elements, slice size."""
@@ -306,14 +313,15 @@ def _tensors(obj) -> list[torch.Tensor]:
 
 
 def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport: str,
-               compute_dtype: torch.dtype | None = None
+               compute_dtype: torch.dtype | None = None, replicate_root: bool = False
                ) -> tuple[list[Unit], list[torch.Tensor]]:
     """Cut `model` into units (units.py) and shard each: returns (units, fp32 slices).
 
     Every rank starts from rank 0's parameters (one broadcast per unit) and keeps only its
-    slice, in memory of its own. With `compute_dtype` (mixed precision) the slices, and so
-    the all-gathers and reduce-scatters, are in that dtype, and the fp32 slices returned are
-    the masters the optimizer steps; without, the list is empty.
+    slice, in memory of its own; with `replicate_root`, the root unit (the parameters no
+    other unit claims) is kept whole instead. With `compute_dtype` (mixed precision) the
+    slices, and so the all-gathers and reduce-scatters, are in that dtype, and the fp32
+    slices returned are the masters the optimizer steps; without, the list is empty.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     units, masters = [], []
@@ -323,7 +331,8 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
         group = FlatParamGroup(params, world, rank, names, transport=transport)
         flat = group.flatten()
         dist.broadcast(flat, src=0)  # every rank starts from rank 0's parameters
-        local = group.shard(flat).clone()  # this rank's slice, in memory of its own
+        whole = replicate_root and module is model
+        local = flat if whole else group.shard(flat).clone()  # in memory of its own
         if compute_dtype is not None:
             masters.append(local)  # fp32, taken before anything is rounded
             local = local.to(compute_dtype)
@@ -331,5 +340,5 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
                 p.data = p.data.to(compute_dtype)
             group = FlatParamGroup(params, world, rank, names, transport=transport)
         del flat
-        units.append(Unit(name, module, group, local))
+        units.append(Unit(name, module, group, local, replicated=whole))
     return units, masters
