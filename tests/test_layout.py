@@ -27,8 +27,6 @@ RANK_SIDE = "zero_lab.workers"
 # Modules longer than ~400 lines, each one idea read top to bottom.
 LONG_MODULES = {
     "zero_lab/memory.py": "the calculators, in the order notebook 01 teaches them; no torch",
-    "zero_lab/launch.py": "one launch seen from both ends: torchrun() in the parent, "
-                          "init_worker()/report() and the per-rank entry point in the ranks",
     "zero_lab/plots.py": "one figure function per notebook section, in course order",
 }
 MAX_LINES = 400

@@ -20,7 +20,10 @@ each rank reported. The package has one home for each side, and shared modules b
                   exercises.py    what graded learner code meets on the ranks
                   seed_blog.py    the seed blog's ZeRO, paraphrased once, to be measured
                   bench_systems.py  the systems `make bench` races, built on every rank
-                  launch.py       torchrun() on the parent side; init_worker()/report() in ranks
+                  launch.py       torchrun(): start a launch, stream it, end it, read reports
+                  launch_failures.py  which rank failed a launch, and how (LaunchError)
+                  worker.py       the rank side of a launch: init_worker(), report(), the
+                                  per-rank entry point (launch.py re-exports the two)
                   paths.py        where things live in the repository
 
 The rule (tests/test_layout.py reads the import graph and holds it): code the kernel runs

@@ -11,11 +11,18 @@ Each launch gets its own run folder (in the system temp dir) holding, per rank, 
 and `rank{r}.err` (that rank's stdout and stderr), `rank{r}.json` (its report) and, if it
 failed, `rank{r}.error.json` (its traceback). Errors name these files.
 
-Inside a worker script:
+No process of a launch outlives the process that called `torchrun(...)`, however that one ends
+(a timeout, an error, Ctrl-C, a kernel restart, SIGKILL): torchrun's agent dies with it and
+every rank dies with the agent (`zero_lab.worker._die_with_parent`).
+
+Inside a worker script (the rank side lives in `zero_lab.worker`; its two functions are
+re-exported here, so a script and a notebook import from one place):
 
     from zero_lab.launch import init_worker, report
     info = init_worker()             # process group on the launcher's backend
     report({"rank": info.rank})
+
+Why a launch failed, and which rank to blame, is worked out in `zero_lab.launch_failures`.
 """
 
 from __future__ import annotations
@@ -30,31 +37,26 @@ import sys
 import tempfile
 import threading
 import time
-import traceback
 from dataclasses import dataclass, field
 from pathlib import Path
 
-BACKENDS = ("auto", "gloo", "nccl")
+from zero_lab.launch_failures import LaunchError, LaunchTimeout, failure, log_listing
+from zero_lab.worker import (
+    ENV_BACKEND,
+    ENV_LAUNCHER_PID,
+    ENV_RUN_DIR,
+    WorkerInfo,
+    init_worker,
+    report,
+)
 
-# Environment variables the launcher sets for its workers.
-ENV_RUN_DIR = "ZERO_LAB_RUN_DIR"
-ENV_BACKEND = "ZERO_LAB_BACKEND"
+__all__ = ["torchrun", "resolve_backend", "LaunchResult", "LaunchError", "LaunchTimeout",
+           "init_worker", "report", "WorkerInfo"]
+
+BACKENDS = ("auto", "gloo", "nccl")
 
 # How long processes get to exit after SIGTERM before they are killed outright.
 _GRACE_SECONDS = 3.0
-
-
-class LaunchError(RuntimeError):
-    """A launch failed: a rank raised or died. The message holds its traceback and log paths."""
-
-    def __init__(self, message: str, run_dir: Path | None = None, rank: int | None = None):
-        super().__init__(message)
-        self.run_dir = run_dir
-        self.rank = rank
-
-
-class LaunchTimeout(LaunchError):
-    """A launch ran past its timeout (a hang, often a collective some rank never joined)."""
 
 
 @dataclass
@@ -135,6 +137,7 @@ def torchrun(
         {
             ENV_RUN_DIR: str(run_dir),
             ENV_BACKEND: chosen,
+            ENV_LAUNCHER_PID: str(os.getpid()),
             "PYTHONUNBUFFERED": "1",  # so rank 0's lines reach the cell as they are printed
             # Workers import zero_lab from wherever this process does (e.g. a notebook kernel
             # started beside an uninstalled checkout).
@@ -145,11 +148,12 @@ def torchrun(
         }
     )
     command = [
-        sys.executable, "-m", "torch.distributed.run",
+        # torchrun (`python -m torch.distributed.run`), entered through worker._run_agent
+        sys.executable, "-m", "zero_lab.worker", "--agent",
         "--standalone",  # rendezvous on localhost port 0: the OS picks a free port
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
-        "-m", "zero_lab.launch",  # the per-rank entry point below runs the script
+        "-m", "zero_lab.worker",  # the per-rank entry point: it runs the script
         str(script_path), *str_args,
     ]
 
@@ -157,6 +161,9 @@ def torchrun(
     start = time.perf_counter()
     with open(launcher_log, "wb") as log:
         # A new session makes torchrun the leader of a process group we can signal as a whole.
+        # It also leaves torchrun alone when this process dies without running the `finally`
+        # below (SIGKILL, a SIGTERM it does not handle): worker._run_agent ties torchrun's life to
+        # this process instead.
         proc = subprocess.Popen(
             command, env=child_env, stdout=log, stderr=subprocess.STDOUT,
             stdin=subprocess.DEVNULL, start_new_session=True,
@@ -174,11 +181,11 @@ def torchrun(
         raise LaunchTimeout(
             f"{script_path.name} on {nproc} ranks ran past timeout={timeout}s and was stopped "
             f"(a hang is often a collective that some rank never called).\n"
-            f"{_log_listing(run_dir, nproc)}",
+            f"{log_listing(run_dir, nproc)}",
             run_dir=run_dir,
         )
     if proc.returncode != 0:
-        raise _failure(script_path, nproc, run_dir, proc.returncode)
+        raise failure(script_path, nproc, run_dir, proc.returncode)
     ranks = [_read_report(run_dir, r) for r in range(nproc)]
     return LaunchResult(ranks, chosen, nproc, wall, run_dir, logs)
 
@@ -269,179 +276,3 @@ def _read_report(run_dir: Path, rank: int) -> dict:
     if not path.exists():
         return {}
     return json.loads(path.read_text())
-
-
-def _log_listing(run_dir: Path, nproc: int) -> str:
-    files = [f"  rank {r}: {run_dir / f'rank{r}.out'}  {run_dir / f'rank{r}.err'}"
-             for r in range(nproc)]
-    return "Logs:\n" + "\n".join(files + [f"  torchrun: {run_dir / 'launcher.log'}"])
-
-
-def _failure(script: Path, nproc: int, run_dir: Path, returncode: int) -> LaunchError:
-    """Build the error for a failed launch from the rank that failed first."""
-    errors = []
-    for r in range(nproc):
-        path = run_dir / f"rank{r}.error.json"
-        if path.exists():
-            errors.append(json.loads(path.read_text()))
-    if errors:
-        first = min(errors, key=lambda e: e["time"])
-        rank = first["rank"]
-        body = first["traceback"].rstrip()
-        lines = body.splitlines()
-        if len(lines) > 40:
-            body = "\n".join(["  ..."] + lines[-40:])
-        head = f"rank {rank} of {nproc} failed in {script.name}: {first['error']}"
-    else:
-        # No rank recorded an exception: one was killed (out of memory, a signal) or torchrun
-        # itself failed. The stderr tails say which.
-        rank = None
-        head = f"{script.name} on {nproc} ranks failed (torchrun exit code {returncode})"
-        body = "\n".join(
-            f"--- {p.name} (last lines) ---\n{_tail(p)}"
-            for p in [*(run_dir / f"rank{r}.err" for r in range(nproc)),
-                      run_dir / "launcher.log"]
-            if p.exists() and p.stat().st_size
-        )
-    return LaunchError(f"{head}\n{body}\n{_log_listing(run_dir, nproc)}", run_dir, rank)
-
-
-def _tail(path: Path, n: int = 20) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-
-
-# --------------------------------------------------------------------------- worker side
-
-
-@dataclass
-class WorkerInfo:
-    rank: int
-    world_size: int
-    local_rank: int
-    backend: str
-    device: object  # torch.device: cuda:<local_rank> under NCCL, cpu under gloo
-
-
-def init_worker() -> WorkerInfo:
-    """Join the process group on the backend the launcher chose (gloo if run by plain torchrun).
-
-    Under NCCL each rank takes the GPU of its local rank; under gloo everything is on CPU.
-    """
-    import torch
-    import torch.distributed as dist
-
-    backend = os.environ.get(ENV_BACKEND, "gloo")
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    if backend == "nccl":
-        device = torch.device("cuda", local_rank)
-        torch.cuda.set_device(device)
-    else:
-        device = torch.device("cpu")
-    if not dist.is_initialized():
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
-    return WorkerInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
-
-
-_reported: dict = {}
-
-
-def report(data: dict) -> dict:
-    """Hand `data` (a JSON-serialisable dict) to the launching process as this rank's result.
-
-    Several calls merge into one dict (later keys win). Outside a launch it only returns the
-    merged dict, so a worker can also run as a plain script.
-    """
-    if not isinstance(data, dict):
-        raise TypeError(f"report(data) takes a dict, got {type(data).__name__}")
-    for key, value in data.items():
-        try:
-            json.dumps(value, allow_nan=True)
-        except (TypeError, ValueError) as exc:
-            raise TypeError(
-                f"report(data): data[{key!r}] is not JSON-serialisable "
-                f"({type(value).__name__}: {exc}). Convert tensors with .item() or .tolist()."
-            ) from None
-    _reported.update(data)
-    run_dir = os.environ.get(ENV_RUN_DIR)
-    if run_dir:
-        rank = int(os.environ.get("RANK", "0"))
-        path = Path(run_dir) / f"rank{rank}.json"
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(_reported))
-        tmp.replace(path)  # atomic: the parent never reads half a file
-    return dict(_reported)
-
-
-def _run_rank(argv: list[str]) -> int:
-    """Entry point of every rank (torchrun runs `python -m zero_lab.launch script args`).
-
-    Sends this rank's stdout/stderr to its log files, runs the script as __main__, and on an
-    exception records the traceback with a timestamp so the parent can name the rank that
-    failed first.
-    """
-    import runpy
-
-    run_dir = Path(os.environ[ENV_RUN_DIR])
-    rank = int(os.environ.get("RANK", "0"))
-    (run_dir / f"rank{rank}.pid").write_text(str(os.getpid()))
-    _die_with_parent()
-    for fd, name in ((1, f"rank{rank}.out"), (2, f"rank{rank}.err")):
-        sys.stdout.flush() if fd == 1 else sys.stderr.flush()
-        target = os.open(run_dir / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(target, fd)  # at the descriptor level, so C++ (gloo, NCCL) output lands too
-        os.close(target)
-
-    script = argv[0]
-    sys.argv = list(argv)
-    sys.path.insert(0, str(Path(script).parent))
-    try:
-        runpy.run_path(script, run_name="__main__")
-    except SystemExit as exc:
-        if exc.code not in (None, 0):
-            _record_error(run_dir, rank, f"SystemExit({exc.code!r})", traceback.format_exc())
-            raise
-    except BaseException as exc:
-        _record_error(run_dir, rank, f"{type(exc).__name__}: {exc}", traceback.format_exc())
-        raise
-    # Only after success: after a failure the other ranks may be stuck in a collective.
-    _destroy_group()
-    return 0
-
-
-def _record_error(run_dir: Path, rank: int, error: str, tb: str) -> None:
-    # Drop the frames of this entry point and runpy: the learner's script is what matters.
-    lines = tb.splitlines()
-    start = next((i for i, ln in enumerate(lines) if "<module>" in ln and "runpy" not in ln), 1)
-    tb = "\n".join(lines[:1] + lines[start:]) if start > 1 else tb
-    record = {"rank": rank, "time": time.time(), "error": error, "traceback": tb}
-    (run_dir / f"rank{rank}.error.json").write_text(json.dumps(record))
-
-
-def _destroy_group() -> None:
-    try:
-        import torch.distributed as dist
-
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - shutting down after a failure must not mask it
-        pass
-
-
-def _die_with_parent() -> None:
-    """On Linux, ask the kernel to kill this rank if torchrun's agent dies (no orphans)."""
-    if not sys.platform.startswith("linux"):
-        return
-    import ctypes
-
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL(None, use_errno=True)
-        pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
-        if os.getppid() == 1:  # the parent already died before prctl took effect
-            os._exit(1)
-
-
-if __name__ == "__main__":
-    if len(sys.argv) < 2 or ENV_RUN_DIR not in os.environ:
-        sys.exit("zero_lab.launch is started by zero_lab.launch.torchrun(), not by hand")
-    sys.exit(_run_rank(sys.argv[1:]))

@@ -5,9 +5,11 @@ exercise is a `RankExercise`: the rank script in zero_lab/workers/ that runs it,
 there, and the dummy arguments a stub is tried on. `run_on_ranks` reads each function's
 source, fails a stub at once (starting no rank), writes the sources to one file, starts the
 script on 3 gloo ranks and returns what every rank reported, per "exercise:fn[,fn]" key. A
-learner's exception on any rank, or a hang, becomes an ExerciseFailed naming the case. The
-ranks report facts; each check's judge (in its notebook's module) turns them into a verdict
-and a hint.
+learner's exception on any rank, or a hang, becomes an ExerciseFailed naming the case; a rank
+that died (a signal, a native abort) is named with its signal and its last words on stderr.
+A launch that failed only after every rank reported every key is judged on those reports.
+The ranks report facts; each check's judge (in its notebook's module) turns them into a
+verdict and a hint.
 """
 
 from __future__ import annotations
@@ -102,8 +104,33 @@ def run_on_ranks(check: str, runs: Sequence[tuple[RankExercise, Sequence[Callabl
     except LaunchTimeout:
         fail(check, f"the {nproc} ranks did not finish within {timeout:.0f} s", hang_hint)
     except LaunchError as exc:
-        explain_rank_error(check, exc, nproc)
-    return {key: [rank_report[key] for rank_report in result.ranks] for key in keys}
+        reports = complete_reports(exc.run_dir, nproc, keys)
+        if reports is None:
+            explain_rank_error(check, exc, nproc)  # raises ExerciseFailed
+    else:
+        reports = result.ranks
+    return {key: [rank_report[key] for rank_report in reports] for key in keys}
+
+
+def complete_reports(run_dir: Path | None, nproc: int, keys: Sequence[str]) -> list[dict] | None:
+    """Every rank's report if each of the `nproc` ranks reported every key and none raised.
+
+    A launch can fail after its work is done: a rank killed on its way out, once its report
+    was on disk. Such reports are whole, so the check judges them instead of failing the
+    learner. None when any rank raised (it left `rank{r}.error.json`) or misses a key.
+    """
+    if run_dir is None:
+        return None
+    reports = []
+    for rank in range(nproc):
+        path = run_dir / f"rank{rank}.json"
+        if (run_dir / f"rank{rank}.error.json").exists() or not path.exists():
+            return None
+        data = json.loads(path.read_text())
+        if not all(key in data for key in keys):
+            return None
+        reports.append(data)
+    return reports
 
 
 def run_exercise(check: str, exercise: RankExercise, fns: Sequence[Callable],
@@ -145,6 +172,11 @@ def explain_rank_error(check: str, exc: LaunchError, nproc: int) -> None:
     text = str(exc)
     if "NotImplementedError" in text:
         fail(check, "not implemented yet", NOT_IMPLEMENTED_HINT)
+    if exc.rank is not None:  # the launcher knows which rank failed first, and how
+        tail = [ln for ln in exc.tail.splitlines() if ln.strip()][-6:]
+        fail(check, exc.cause,
+             "its last lines:\n" + "\n".join(f"    {ln}" for ln in tail) if tail
+             else f"rank {exc.rank} wrote nothing to its stderr")
     lines = [ln for ln in text.splitlines() if ln.strip()]
     fail(check, "a rank failed: " + (lines[0] if lines else "unknown error"),
          "\n".join(lines[-6:]))
