@@ -63,7 +63,8 @@ def test_held_bytes_follow_each_design(result):
     systems = result["systems"]
     # Ψ = 7056 is divisible by 2: no padding; fp32 Adam states are 8 bytes per element.
     for name, stage in [("ddp", 0), ("stage0", 0), ("stage1", 1), ("stage2", 2), ("stage3", 3),
-                        ("stage3_noprefetch", 3), ("fsdp2", 3), ("stage1_torch", 1),
+                        ("stage3_noprefetch", 3), ("stage3_checked", 3), ("fsdp2", 3),
+                        ("stage1_torch", 1),
                         ("stage2_torch", 2), ("stage3_torch", 3)]:
         predicted = model_state_bytes(PSI, stage, 2, precision="fp32")
         for held in systems[name]["held_bytes"]:
@@ -84,6 +85,14 @@ def test_bytes_communicated_per_step(result):
             assert comm["volume"] == 3 * 4 * PSI, name
             assert comm["by_op"]["all_gather"]["count"] == 2 * CONFIG.depth, name
             assert comm["by_op"]["reduce_scatter"]["count"] == CONFIG.depth, name
+    # check_order: before each of the 2 x depth unit all-gathers, one of the unit's index
+    # (an int64 from each of the 2 ranks)
+    for comm in result["systems"]["stage3_checked"]["comm"]:
+        assert comm["by_op"]["all_gather"]["count"] == 4 * CONFIG.depth
+        assert comm["by_op"]["all_gather"]["nbytes"] == 2 * 4 * PSI + 2 * CONFIG.depth * 8 * 2
+    assert result["check_order_cost"] == pytest.approx(
+        result["systems"]["stage3_checked"]["best_round_ms"]
+        / result["systems"]["stage3"]["best_round_ms"])
     zro = result["systems"]["zero_redundancy"]["comm"][0]["by_op"]
     assert zro["broadcast"]["count"] == 2 * CONFIG.depth  # one per parameter, every step
     assert zro["broadcast"]["nbytes"] == 4 * PSI

@@ -112,6 +112,8 @@ def summarize(ranks: list[dict], config: BenchConfig) -> dict:
         "targets": targets,
         # what prefetch buys stage 3: time without / time with (> 1: prefetch helps)
         "prefetch_gain": _gain(systems, "stage3_noprefetch", "stage3"),
+        # what stage 3's debugging check of the unit order costs: with / without (> 1)
+        "check_order_cost": _gain(systems, "stage3_checked", "stage3"),
         # what the direct exchange buys each stage: with torch's collectives / default
         "transport_gain": {f"stage{s}": _gain(systems, f"stage{s}_torch", f"stage{s}")
                            for s in (1, 2, 3) if _gain(systems, f"stage{s}_torch", f"stage{s}")},
@@ -167,6 +169,9 @@ def markdown_table(result: dict) -> str:
     if result.get("prefetch_gain"):
         lines += ["", f"Stage 3's prefetch: best round without / with = "
                       f"{result['prefetch_gain']:.3f}."]
+    if result.get("check_order_cost"):
+        lines += ["", f"Stage 3's check_order: best round with / without = "
+                      f"{result['check_order_cost']:.3f}."]
     for stage, gain in (result.get("transport_gain") or {}).items():
         lines += ["", f"Direct exchange, {stage}: best round with torch's collectives / with "
                       f"the direct exchange = {gain:.3f}."]
@@ -252,6 +257,9 @@ def format_targets(result: dict) -> str:
     if result.get("prefetch_gain"):
         lines.append(f"  stage 3 prefetch gain (no prefetch / prefetch): "
                      f"{result['prefetch_gain']:.3f}")
+    if result.get("check_order_cost"):
+        lines.append(f"  stage 3 check_order cost (with / without): "
+                     f"{result['check_order_cost']:.3f}")
     for stage, gain in (result.get("transport_gain") or {}).items():
         lines.append(f"  {stage} direct-exchange gain (torch's collectives / direct): {gain:.3f}")
     return "\n".join(lines)

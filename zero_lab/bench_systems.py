@@ -96,14 +96,17 @@ def build_zero_redundancy(model, config: BenchConfig, device) -> Trainer:
 
 
 def build_zero_lab(model, config: BenchConfig, device, stage: int,
-                   prefetch: bool = True, transport: str = "auto") -> Trainer:
+                   prefetch: bool = True, transport: str = "auto",
+                   **options) -> Trainer:
     """zero_lab's `shard(model, stage)`: flat buffers, buckets of `bucket_mb` (stage 3: one
     flat buffer per unit, each Linear here; `prefetch` gathers the next unit ahead).
-    `transport="torch"` sends through torch's collectives even on gloo."""
+    `transport="torch"` sends through torch's collectives even on gloo; `options` go to
+    shard() as they are (e.g. check_order=True)."""
     from zero_lab.stages import full_state_dict, shard
 
     model, opt = shard(model, stage, optimizer=lambda params: _adam(params, config),
-                       bucket_mb=config.bucket_mb, prefetch=prefetch, transport=transport)
+                       bucket_mb=config.bucket_mb, prefetch=prefetch, transport=transport,
+                       **options)
     return Trainer(model, opt, lambda: full_state_dict(model))
 
 
@@ -135,6 +138,8 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
            "zero_lab\nstage 3"),
     System("stage3_noprefetch", "zero_lab stage 3, no prefetch",
            partial(build_zero_lab, stage=3, prefetch=False), "zero_lab st. 3\nno prefetch"),
+    System("stage3_checked", "zero_lab stage 3, check_order=True",
+           partial(build_zero_lab, stage=3, check_order=True), "zero_lab st. 3\ncheck_order"),
     System("fsdp2", "torch FSDP2 (fully_shard)", build_fsdp2, "torch\nFSDP2"),
     # The same stages sending through torch's collectives (on gloo: its reduce-scatter is an
     # all-reduce in disguise; see collectives/exchange.py): what the direct exchange buys.

@@ -199,14 +199,19 @@ class GradientSync:
         (reused, never freed, as torch's DDP does with gradient_as_bucket_view).
 
         set_to_none=True: every `.grad` becomes None, as in one process; autograd then
-        allocates the next gradients and `adopt_grads` copies them into the buffer (torch's
-        DDP pays the same copy). set_to_none=False: a parameter that has a gradient keeps it,
-        as a zeroed view of the buffer, and autograd accumulates straight into it."""
+        allocates the next gradients and `adopt_grad` copies them into the buffer (torch's
+        DDP pays the same copy), and `adopt_grads` zeroes the part of a parameter that got
+        none: every element is written before it is read, so the buffer need not be zeroed
+        here. set_to_none=False: a parameter that has a gradient keeps it, as a zeroed view of
+        the buffer, and autograd accumulates straight into it."""
         if set_to_none:
             self.clear_has_grad()
+            for step_param in self.step_params:  # given back when backward ends
+                step_param.grad = None
         for g, (group, buf, views) in enumerate(zip(self.groups, self.grad_buffers,
                                                     self.grad_views, strict=True)):
-            buf.zero_()
+            if not set_to_none:
+                buf.zero_()
             for p, view, has in zip(group.params, views, self.has_grad[g], strict=True):
                 p.grad = view if has else None
 
