@@ -97,8 +97,10 @@ def model_state_tensors(model: nn.Module, optimizer: object | None
     states = [v for state in (inner.state.values() if inner is not None else ())
               for v in state.values() if isinstance(v, torch.Tensor) and v.dim() > 0]
     states += list(getattr(optimizer, "master_weights", None) or [])
+    grads = [p.grad for p in params if p.grad is not None]
+    grads += list(getattr(sync, "grad_buffers", None) or [])  # held even with .grad None
     return {"params": [_local(p) for p in params],
-            "grads": [_local(p.grad) for p in params if p.grad is not None],
+            "grads": [_local(g) for g in grads],
             "optimizer": [_local(t) for t in states]}
 
 
@@ -112,7 +114,9 @@ def held_bytes(model: nn.Module, optimizer: object | None) -> dict[str, int]:
     Works for a plain model + torch optimizer and for `shard()`'s optimizer, whose slices
     and fp32 masters it adds (masters count as optimizer state, the ZeRO paper's K, which is
     how `zero_lab.memory.model_state_bytes` predicts them). Storages are counted once.
-    torch FSDP2's DTensors count as their local shards.
+    Stages 0 and 1 keep a flat gradient buffer for the whole run: it counts as gradients
+    even while no `.grad` points at it (after zero_grad(set_to_none=True)). torch FSDP2's
+    DTensors count as their local shards.
     """
     if any(hasattr(p, "to_local") for p in model.parameters()):  # torch FSDP2
         return held_model_state_bytes([], None, model_state_tensors(model, optimizer))
@@ -122,7 +126,9 @@ def held_bytes(model: nn.Module, optimizer: object | None) -> dict[str, int]:
     if sync is not None:  # zero_lab's ShardedOptimizer
         params += list(sync.step_params)  # views of the flat buffers, plus their gradients
     extra["master"] = list(getattr(optimizer, "master_weights", None) or [])
+    extra["grad_buffers"] = list(getattr(sync, "grad_buffers", None) or [])
     counts = held_model_state_bytes(params, getattr(optimizer, "optim", optimizer), extra)
+    counts["grads"] += counts.pop("grad_buffers")
     counts["optimizer"] += counts.pop("master", 0)
     return counts
 
