@@ -162,13 +162,10 @@ class GradientSync:
                              dtype=torch.uint8, device=self.groups[0].device)
         if self.world_size > 1:
             dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.groups[0].process_group)
-        flat = flags.tolist()
-        k = 0
+        flat, k = flags.tolist(), 0
         for g, group in enumerate(self.groups):
-            n = len(group.params)
-            self.has_grad[g] = [bool(f) for f in flat[k:k + n]]
-            k += n
-        for g, group in enumerate(self.groups):
+            self.has_grad[g] = [bool(f) for f in flat[k:k + len(group.params)]]
+            k += len(group.params)
             for p, has in zip(group.params, self.has_grad[g], strict=True):
                 if not has:
                     p.grad = None
@@ -176,6 +173,7 @@ class GradientSync:
     def clear_has_grad(self) -> None:
         """`zero_grad(set_to_none=True)`: no parameter has a gradient until the next backward."""
         self.has_grad = [[False] * len(g.params) for g in self.groups]
+
     def remove_hooks(self) -> None:
         for handle in self._hook_handles:
             handle.remove()
