@@ -18,10 +18,10 @@ optimizers that treat every element independently (SGD, Adam, AdamW, ...): one t
 a whole matrix (Adafactor's row/column statistics, Muon's orthogonalisation, LBFGS) would see
 a slice of it, so it is refused.
 
-In mixed precision (`precision="mixed"`) the model computes in bf16, and this rank keeps an
-fp32 *master* copy of the elements it updates; the optimizer runs on the masters and the
-result is rounded back into the bf16 parameters: 2 + 2 + (4 + 4 + 4) = 16 bytes per
-parameter with Adam, the ZeRO paper's mixed-precision recipe (section 3.1).
+In mixed precision (`precision="bf16"` or `"fp16"`) the model computes in 16 bits, and this
+rank keeps an fp32 *master* copy of the elements it updates; the optimizer runs on the
+masters and the result is rounded back into the 16-bit parameters: 2 + 2 + (4 + 4 + 4) = 16
+bytes per parameter with Adam, the ZeRO paper's mixed-precision recipe (section 3.1).
 
     opt.step()               # update the slice (masters first in mixed precision), then
                              # stages 1-2 all-gather it into the full parameters

@@ -97,21 +97,21 @@ class Zero1(GradientSync):
                      for buf in self.grad_buffers]
             for work in works:
                 work.wait()
-            for group, buf, step_param in zip(self.groups, self.grad_buffers, self.step_params,
-                                              strict=True):
-                step_param.grad = group.shard(buf)  # (None since a zero_grad)
-            return
-        op = dist.ReduceOp.SUM if self._holds_average else dist.ReduceOp.AVG
-        owned = [group.new_shard(zeroed=False) for group in self.groups]
-        works = [group.reduce_scatter(out, buf, op=op, async_op=True)
-                 for group, out, buf in zip(self.groups, owned, self.grad_buffers, strict=True)]
-        for group, work, out, buf, step_param in zip(self.groups, works, owned, self.grad_buffers,
-                                                     self.step_params, strict=True):
-            work.wait()
-            buf.zero_()  # the slices other ranks own: not ours to keep
-            group.shard(buf).copy_(out)  # our slice: the final averaged gradient
-            step_param.grad = group.shard(buf)  # (None since a zero_grad)
-        self._holds_average = not self.reduce_in_step  # a later backward adds on top
+        else:
+            op = dist.ReduceOp.SUM if self._holds_average else dist.ReduceOp.AVG
+            owned = [group.new_shard(zeroed=False) for group in self.groups]
+            works = [group.reduce_scatter(out, buf, op=op, async_op=True)
+                     for group, out, buf in zip(self.groups, owned, self.grad_buffers,
+                                                strict=True)]
+            for group, work, out, buf in zip(self.groups, works, owned, self.grad_buffers,
+                                             strict=True):
+                work.wait()
+                buf.zero_()  # the slices other ranks own: not ours to keep
+                group.shard(buf).copy_(out)  # our slice: the final averaged gradient
+            self._holds_average = not self.reduce_in_step  # a later backward adds on top
+        for group, buf, step_param in zip(self.groups, self.grad_buffers, self.step_params,
+                                          strict=True):
+            step_param.grad = group.shard(buf)  # the slice it steps (None since a zero_grad)
 
     def before_step(self) -> None:
         if self.reduce_in_step:

@@ -147,7 +147,7 @@ class Zero3(Zero2):
                 f"the ranks' forwards differ: rank {self.units[u].group.rank} gathers unit "
                 f"{self.units[u].name!r} while the ranks gather {names}. Stage 3 needs every "
                 "rank to run the same units in the same order (no rank-dependent control "
-                "flow around units); see shard(..., check_order=True)")
+                "flow around units)")
 
     def release(self, u: int) -> None:
         unit = self.units[u]
