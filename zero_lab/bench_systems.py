@@ -147,3 +147,46 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
              partial(build_zero_lab, stage=s, transport="torch"),
              f"zero_lab st. {s}\ntorch coll.") for s in (1, 2, 3)],
 ]}
+
+
+# ------------------------------------------------ systems the profiler notebook adds (06)
+
+
+class _BlogStep:
+    """The seed blog's ZeRO-1 (`zero_lab.seed_blog.BlogZero`) with its step marked as an
+    optimizer step, as torch optimizers mark theirs: its timer covered exactly that call."""
+
+    def __init__(self, blog) -> None:
+        self.blog = blog
+
+    def step(self) -> None:
+        from zero_lab.profiling.marks import OPTIMIZER_STEP, mark
+
+        with mark(OPTIMIZER_STEP):
+            self.blog.step()
+
+    def zero_grad(self) -> None:
+        self.blog.zero_grad()
+
+
+def build_compute_only(model, config: BenchConfig, device) -> Trainer:
+    """The same model, per-rank batch and Adam with no communication at all: each rank
+    trains alone (a world of one), while the other ranks load the machine the same way."""
+    return Trainer(model, _adam(model.parameters(), config),
+                   lambda: {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+def build_blog_zero1(model, config: BenchConfig, device) -> Trainer:
+    """The seed blog's ZeRO-1: all-reduce every gradient in step(), update the whole
+    tensors this rank owns, broadcast every parameter from its owner."""
+    from zero_lab.seed_blog import BlogZero
+
+    return Trainer(model, _BlogStep(BlogZero(model, stage=1, lr=config.lr)),
+                   lambda: {k: v.detach().clone() for k, v in model.state_dict().items()})
+
+
+PROFILE_SYSTEMS: dict[str, System] = {**SYSTEMS, **{s.name: s for s in [
+    System("compute_only", "compute only (no communication)", build_compute_only,
+           "compute\nonly"),
+    System("blog_zero1", "the seed blog's ZeRO-1", build_blog_zero1, "seed blog\nZeRO-1"),
+]}}

@@ -52,6 +52,7 @@ from torch import nn
 
 from zero_lab.collectives import exchange
 from zero_lab.collectives.exchange import Exchange
+from zero_lab.profiling import marks
 
 # How a group sends its collectives: "auto" (a direct exchange of point-to-point messages on
 # gloo, torch's collectives elsewhere: see collectives/exchange.py), "torch" or "direct".
@@ -128,6 +129,7 @@ class FlatParamGroup:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport  # how this group's collectives are sent (see `direct`)
+        self.label = "group"  # how its collectives are named in a profiler trace ("bucket 2")
 
     # ------------------------------------------------------------------ layout
     def shard_range(self, rank: int) -> tuple[int, int]:
@@ -210,24 +212,39 @@ class FlatParamGroup:
 
         `shard_in` may be this rank's own slice of `full_out` (in place).
         """
-        if self.direct:
-            return exchange.all_gather(full_out, shard_in, group=self.process_group,
-                                       async_op=async_op)
-        if shard_in.data_ptr() == self.shard(full_out).data_ptr():
-            shard_in = shard_in.clone()  # torch's all-gather wants an input apart from the output
-        return dist.all_gather_single(full_out, shard_in, group=self.process_group,
-                                      async_op=async_op)
+        def issue():
+            if self.direct:
+                return exchange.all_gather(full_out, shard_in, group=self.process_group,
+                                           async_op=async_op)
+            shard = shard_in
+            if shard.data_ptr() == self.shard(full_out).data_ptr():
+                shard = shard.clone()  # torch's all-gather wants an input apart from the output
+            return dist.all_gather_single(full_out, shard, group=self.process_group,
+                                          async_op=async_op)
+
+        return marks.collective(f"all-gather / {self.label}", issue, async_op)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
                        async_op: bool = False) -> dist.Work | Exchange | None:
         """Full buffers on every rank -> this rank's slice of their reduction (average by
         default): one reduce-scatter. `shard_out` must not be a view of `full_in`."""
-        if self.direct:
-            return exchange.reduce_scatter(shard_out, full_in, op=op, group=self.process_group,
-                                           async_op=async_op)
-        return dist.reduce_scatter_single(shard_out, full_in, op=op, group=self.process_group,
-                                          async_op=async_op)
+        def issue():
+            if self.direct:
+                return exchange.reduce_scatter(shard_out, full_in, op=op,
+                                               group=self.process_group, async_op=async_op)
+            return dist.reduce_scatter_single(shard_out, full_in, op=op,
+                                              group=self.process_group, async_op=async_op)
+
+        return marks.collective(f"reduce-scatter / {self.label}", issue, async_op)
+
+    def all_reduce(self, buffer: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
+                   async_op: bool = False) -> dist.Work | None:
+        """A full buffer (gradients) reduced in place on every rank: one all-reduce."""
+        return marks.collective(
+            f"all-reduce / {self.label}",
+            lambda: dist.all_reduce(buffer, op=op, group=self.process_group, async_op=async_op),
+            async_op)
 
     def __repr__(self) -> str:
         return (f"FlatParamGroup({len(self.params)} params, numel={self.numel}, "
@@ -318,5 +335,6 @@ def make_flat_groups(
         if src is not None:
             dist.broadcast(flat, src=src, group=process_group)
         group.bind(flat)
+        group.label = f"bucket {len(groups)}"
         groups.append(group)
     return groups

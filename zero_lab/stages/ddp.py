@@ -50,7 +50,7 @@ class DataParallel(GradientSync):
     def on_group_ready(self, g: int) -> None:
         # The bucket is complete: start averaging it across ranks, and do not wait.
         self.adopt_grads(g, self.grad_views[g])
-        work = dist.all_reduce(self.grad_buffers[g], op=dist.ReduceOp.AVG, async_op=True)
+        work = self.groups[g].all_reduce(self.grad_buffers[g], async_op=True)
         self._in_flight.append(work)
 
     def on_backward_end(self) -> None:

@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from zero_lab.profiling.marks import OPTIMIZER_STEP, ZERO_GRAD, mark
 from zero_lab.stages.gradient_sync import GradientSync
 
 # Optimizers whose update of an element depends only on that element's history.
@@ -205,6 +206,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        with mark(OPTIMIZER_STEP):
+            self._step()
+        return loss
+
+    def _step(self) -> None:
+        """The update of this rank's slices (and, at stages 1-2, their all-gather)."""
         self.sync.before_step()
         if self.master_weights is not None:
             # bf16 gradient slice -> fp32, applied to the fp32 master (transient copy).
@@ -224,10 +231,10 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.copy_(master)  # round the updated master into the bf16 parameters
                 master.grad = None
         self.sync.after_step()  # stages 1-2: all-gather every rank's updated slice
-        return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.sync.zero_grad(set_to_none)
+        with mark(ZERO_GRAD):
+            self.sync.zero_grad(set_to_none)
 
     @torch.no_grad()
     def clip_grad_norm_(self, max_norm: float, norm_type: float = 2.0,

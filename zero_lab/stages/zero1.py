@@ -93,8 +93,8 @@ class Zero1(GradientSync):
             self.adopt_grads(g, self.grad_views[g])
         if self.variant == "all_reduce":
             # Every rank gets the full averaged gradient and will use only its slice of it.
-            works = [dist.all_reduce(buf, op=dist.ReduceOp.AVG, async_op=True)
-                     for buf in self.grad_buffers]
+            works = [group.all_reduce(buf, async_op=True)
+                     for group, buf in zip(self.groups, self.grad_buffers, strict=True)]
             for work in works:
                 work.wait()
         else:

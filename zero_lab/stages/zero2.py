@@ -87,8 +87,7 @@ class Zero2(GradientSync):
         self._buckets[g], self._arrived[g] = None, [False] * len(group.params)
         if self.replicated[g]:  # kept whole on every rank: average the whole gradient
             owned = full
-            work = dist.all_reduce(full, op=dist.ReduceOp.AVG, async_op=True,
-                                   group=group.process_group)
+            work = group.all_reduce(full, async_op=True)
         else:
             owned = group.new_shard(zeroed=False)
             work = group.reduce_scatter(owned, full, op=dist.ReduceOp.AVG, async_op=True)

@@ -77,6 +77,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import FlatParamGroup
+from zero_lab.profiling.marks import Span
 from zero_lab.stages.units import Unit, plan_units
 from zero_lab.stages.zero2 import Zero2
 
@@ -105,6 +106,7 @@ class Zero3(Zero2):
         self._backward_record: list[int] = []
         self._next: dict[str, dict[int, int]] = {"forward": {}, "backward": {}}
         self._grads_taken = [False] * len(units)
+        self._spans: dict[tuple[str, int], Span] = {}  # "forward / unit k" marks (profiling)
         # Teaching hook: called as on_event(what, unit name) at "gather", "release" and
         # "reduce_scatter" (notebook 05 marks unit boundaries on its memory timeline).
         self.on_event: Callable[[str, str], None] | None = None
@@ -160,6 +162,15 @@ class Zero3(Zero2):
         if self.prefetch and nxt is not None:
             self.gather(nxt, wait=False)
 
+    def _open_span(self, phase: str, u: int) -> None:
+        self._close_span(phase, u)  # one left open by a step that raised
+        self._spans[phase, u] = Span(f"{phase} / unit {u}")
+
+    def _close_span(self, phase: str, u: int) -> None:
+        span = self._spans.pop((phase, u), None)
+        if span is not None:
+            span.close()
+
     def _event(self, what: str, u: int) -> None:
         if self.on_event is not None:
             self.on_event(what, self.units[u].name)
@@ -179,10 +190,12 @@ class Zero3(Zero2):
             self._forward_record.append(u)
         self.gather(u)
         self._prefetch("forward", u)
+        self._open_span("forward", u)
 
     def _post_forward(self, u: int, module: nn.Module, args, output) -> None:
         if _in_backward():  # a recomputation inside the unit's backward: keep it gathered
             return
+        self._close_span("forward", u)
         self.release(u)
         if torch.is_grad_enabled():
             outputs = [t for t in _tensors(output) if t.requires_grad]
@@ -211,6 +224,7 @@ class Zero3(Zero2):
         self._take_grads(u)
         self.gather(u)
         self._prefetch("backward", u)
+        self._open_span("backward", u)
 
     def _take_grads(self, u: int) -> None:
         """Before unit u's gradients arrive: fold into the gradient slice what was done to
@@ -238,6 +252,7 @@ class Zero3(Zero2):
         # Every gradient of unit g is in its full gradient buffer: the full parameters are
         # no longer needed; the gradient goes out as in stage 2.
         self._take_grads(g)
+        self._close_span("backward", g)
         self.release(g)
         self._event("reduce_scatter", g)
         super().on_group_ready(g)
@@ -340,5 +355,6 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
                 p.data = p.data.to(compute_dtype)
             group = FlatParamGroup(params, world, rank, names, transport=transport)
         del flat
+        group.label = f"unit {len(units)}"  # its collectives' names in a profiler trace
         units.append(Unit(name, module, group, local, replicated=whole))
     return units, masters

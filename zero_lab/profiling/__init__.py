@@ -1,0 +1,1 @@
+"""Traces: marking, capturing and analysing what each stage does (see the modules)."""

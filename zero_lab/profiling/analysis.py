@@ -1,0 +1,228 @@
+"""What a trace says: time per category per step, overlap, collectives, top ops, memory.
+
+    trace = load_trace("runs/profiles/stage3/rank0.json")
+    breakdown(trace.events, trace.steps[0])   # one step of one rank, in microseconds
+    collectives(trace)                        # every collective, its op, label and elements
+    blocking_time(trace.events)               # which collective held the training thread
+
+How a step's time is divided (`breakdown`), with C the compute, O the optimizer regions, B
+the training thread busy with communication and F every collective in flight (plus B):
+
+    compute          |C - B - O|      ops of forward and backward (an op inside a wait, e.g.
+                                      the sum of a reduce-scatter, is communication: B wins)
+    optimizer        |(C - B) ∩ O|
+    exposed comm     |F - (C - B)|    communication nothing else was hiding: on the critical
+                                      path of this rank
+    idle             |W - (C - B) - F| no op running, nothing in flight: Python, hooks, the
+                                      framework, the profiler's own cost
+    overlapped comm  |F ∩ (C - B)|    communication hidden behind compute (not a part of the
+                                      step's sum: it runs *under* compute)
+
+compute + optimizer + exposed + idle = the step window W. Each set is a union of intervals
+(intervals.py), so nested and overlapping events count once.
+On a CPU trace, an isend/irecv is "in flight" from its posting to its wait (gloo does not
+report when the bytes arrived): exposed communication is exact (the time the training thread
+waited), overlapped communication an upper bound. On a GPU trace both come from NCCL kernels.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from collections.abc import Iterable
+
+from zero_lab.profiling import intervals as iv
+from zero_lab.profiling.marks import WAIT
+from zero_lab.profiling.trace import Event, Trace, is_collective_mark
+
+CATEGORIES = ("compute", "optimizer", "exposed_comm", "idle")  # they sum to the step
+
+
+def _spans(events: Iterable[Event], kind: str) -> list[iv.Interval]:
+    return [(e.start, e.end) for e in events if e.kind == kind]
+
+
+def breakdown(events: Iterable[Event], window: iv.Interval) -> dict[str, float]:
+    """Time in each category (microseconds) inside `window`; see the module docstring.
+
+    Returns compute, optimizer, exposed_comm, idle (summing to the window), and
+    overlapped_comm, comm (= exposed + overlapped), step (the window's length).
+    """
+    events = list(events)
+    blocked = iv.clip(_spans(events, "comm"), window)
+    busy = iv.subtract(iv.clip(_spans(events, "compute"), window), blocked)
+    optimizer = iv.clip(_spans(events, "optimizer"), window)
+    in_flight = iv.union(iv.clip(_spans(events, "in_flight"), window) + blocked)
+    step = window[1] - window[0]
+    out = {
+        "compute": iv.total(iv.subtract(busy, optimizer)),
+        "optimizer": iv.total(iv.intersect(busy, optimizer)),
+        "exposed_comm": iv.total(iv.subtract(in_flight, busy)),
+        "idle": step - iv.total(busy + in_flight),
+        "overlapped_comm": iv.total(iv.intersect(in_flight, busy)),
+        "step": step,
+    }
+    out["comm"] = out["exposed_comm"] + out["overlapped_comm"]
+    return out
+
+
+def step_breakdowns(trace: Trace) -> list[dict[str, float]]:
+    """`breakdown` of every recorded step of one rank."""
+    return [breakdown(trace.events, window) for window in trace.steps]
+
+
+def mean_breakdown(traces: list[Trace]) -> dict[str, float]:
+    """Every category averaged over the steps of every rank; "critical_comm_share" is the
+    exposed communication's share of the step: what communication costs on the critical
+    path (the rest of it was hidden under compute)."""
+    rows = [b for t in traces for b in step_breakdowns(t)]
+    if not rows:
+        raise ValueError("no recorded step in these traces")
+    mean = {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]}
+    mean["critical_comm_share"] = mean["exposed_comm"] / mean["step"]
+    mean["overlap"] = mean["overlapped_comm"] / mean["comm"] if mean["comm"] else 0.0
+    return mean
+
+
+# ------------------------------------------------------------------------- collectives
+# torch's dispatcher ops -> the ledger's op names (zero_lab.collectives.CommLedger)
+_TORCH_OPS = {
+    "c10d::allreduce_": "all_reduce", "c10d::allreduce_coalesced_": "all_reduce",
+    "c10d::_reduce_scatter_base_": "reduce_scatter", "c10d::reduce_scatter_": "reduce_scatter",
+    "c10d::reduce_scatter_tensor_coalesced_": "reduce_scatter",
+    "c10d::_allgather_base_": "all_gather", "c10d::allgather_": "all_gather",
+    "c10d::allgather_into_tensor_coalesced_": "all_gather", "c10d::broadcast_": "broadcast",
+    "c10d::send": "send", "c10d::recv_": "recv",
+}
+# Which argument of each op holds the full message (as the ledger counts it)
+_FULL_ARG = {"all_gather": 0, "reduce_scatter": 1}
+
+
+def _inside(event: Event, outer: Event) -> bool:
+    return outer.start <= event.start and event.end <= outer.end and event.track == outer.track
+
+
+def _numel(dims) -> int:
+    """Elements of a profiler "Input Dims" entry: a tensor's dims or a list of them."""
+    if not dims:
+        return 0
+    if isinstance(dims[0], list):
+        return sum(_numel(d) for d in dims)
+    n = 1
+    for d in dims:
+        n *= d
+    return n
+
+
+def collectives(trace: Trace) -> list[dict]:
+    """Every collective issued inside a recorded step, in order: {"op" (the ledger's name),
+    "label" (zero_lab's "unit 3" / "bucket 1", or the torch op), "numel" (the full message,
+    as the ledger counts it; needs record_shapes), "start", "step"}.
+
+    zero_lab's marks are read first; torch ops inside them are the same collective (the
+    direct exchange's isend/irecv, or torch's collective) and are not counted again.
+    """
+    out = []
+    events = sorted(trace.events, key=lambda e: (e.start, -e.end))
+    marks = [e for e in events if is_collective_mark(e.name)]
+    ops = [e for e in events if e.name in _TORCH_OPS]
+    # A torch op inside another is the same call seen twice (a dispatch mode such as the
+    # CommLedger re-dispatches it): keep the outer one.
+    ops = [e for e in ops if not any(o is not e and _inside(e, o) for o in ops)]
+    for k, window in enumerate(trace.steps):
+        def in_step(e: Event, window=window) -> bool:
+            return window[0] <= e.start < window[1]
+
+        for m in filter(in_step, marks):
+            op = m.name.split(" / ")[0].replace("-", "_")
+            inner = [e for e in ops if _inside(e, m)]
+            out.append({"op": op, "label": m.name.split(" / ", 1)[1], "start": m.start,
+                        "step": k, "numel": _mark_numel(op, inner, trace.world_size)})
+        for e in filter(in_step, ops):
+            if not any(_inside(e, m) for m in marks):
+                op = _TORCH_OPS[e.name]
+                dims = e.args.get("Input Dims") or [[]]
+                arg = _FULL_ARG.get(op, 0)
+                out.append({"op": op, "label": e.name, "start": e.start, "step": k,
+                            "numel": _numel(dims[arg] if arg < len(dims) else [])})
+    return sorted(out, key=lambda c: c["start"])
+
+
+def _mark_numel(op: str, inner: list[Event], world_size: int) -> int:
+    """The full message of a zero_lab collective, from the torch ops that sent it: torch's
+    own collective, or the direct exchange's N-1 sends of one chunk each (x N/(N-1))."""
+    for e in inner:
+        if _TORCH_OPS[e.name] == op:
+            dims = e.args.get("Input Dims") or [[]]
+            arg = _FULL_ARG.get(op, 0)
+            return _numel(dims[arg] if arg < len(dims) else [])
+    sent = sum(_numel((e.args.get("Input Dims") or [[]])[0]) for e in inner
+               if e.name == "c10d::send")
+    return sent * world_size // (world_size - 1) if world_size > 1 else 0
+
+
+def collective_counts(trace: Trace, step: int | None = None) -> dict[str, int]:
+    """How many collectives of each op (in one step, or all recorded steps)."""
+    counts: dict[str, int] = defaultdict(int)
+    for c in collectives(trace):
+        if step is None or c["step"] == step:
+            counts[c["op"]] += 1
+    return dict(counts)
+
+
+def blocking_time(events: Iterable[Event], window: iv.Interval | None = None
+                  ) -> dict[str, float]:
+    """Per collective ("all-gather / unit 3"), the time the training thread spent on it:
+    issuing it (its mark; gloo's isend may write the bytes right there) and waiting for it
+    (its "wait / ..." marks). The collective with the most is the one to hide first.
+    Only zero_lab's stages mark their collectives; torch's DDP and FSDP2 do not."""
+    out: dict[str, float] = defaultdict(float)
+    for e in events:
+        if window is not None and not window[0] <= e.start < window[1]:
+            continue
+        if e.name.startswith(WAIT):
+            out[e.name[len(WAIT):]] += e.duration
+        elif is_collective_mark(e.name):
+            out[e.name] += e.duration
+    return dict(out)
+
+
+# ------------------------------------------------------------------------- ops, memory
+def top_ops(trace: Trace, n: int = 10, window: iv.Interval | None = None
+            ) -> list[tuple[str, float, int]]:
+    """The `n` ops with the most *self* time (their time minus their children's) on the
+    step's timeline: [(name, microseconds, calls)]."""
+    self_time: dict[str, float] = defaultdict(float)
+    calls: dict[str, int] = defaultdict(int)
+    by_track: dict[str, list[Event]] = defaultdict(list)
+    for e in trace.events:
+        if e.kind in ("compute", "comm", "in_flight") and (
+                window is None or window[0] <= e.start < window[1]):
+            by_track[e.track].append(e)
+    for track_events in by_track.values():
+        stack: list[Event] = []
+        for e in sorted(track_events, key=lambda e: (e.start, -e.end)):
+            while stack and stack[-1].end <= e.start:
+                stack.pop()
+            if stack and e.end <= stack[-1].end:  # nested: not the parent's own time
+                self_time[stack[-1].name] -= e.duration
+            self_time[e.name] += e.duration
+            calls[e.name] += 1
+            stack.append(e)
+    ranked = sorted(self_time.items(), key=lambda kv: -kv[1])[:n]
+    return [(name, t, calls[name]) for name, t in ranked]
+
+
+def memory_over_step(trace: Trace, step: int = 0) -> list[tuple[float, int]]:
+    """(microseconds since the step began, bytes allocated minus at the step's start) for
+    every allocator event inside the step: how the step's memory rises and falls."""
+    lo, hi = trace.steps[step]
+    before = [b for t, b in trace.memory if t < lo]
+    base = before[-1] if before else (trace.memory[0][1] if trace.memory else 0)
+    return [(t - lo, b - base) for t, b in trace.memory if lo <= t <= hi]
+
+
+def unit_of(name: str) -> str | None:
+    """"all-gather / unit 3" -> "unit 3" (None for a name without one)."""
+    found = re.search(r"(unit|bucket) \d+", name)
+    return found.group(0) if found else None

@@ -1,0 +1,68 @@
+"""Capture: torch.profiler around a few training steps, one Chrome-trace JSON per rank.
+
+    path = capture(lambda: train_step(), RUNS / "profiles" / "stage3", steps=3)
+    # -> runs/profiles/stage3/rank<r>.json, openable in https://ui.perfetto.dev or
+    #    chrome://tracing, and readable by zero_lab.profiling.analysis without either
+
+Each recorded step runs inside a "train step" mark, between two barriers (so that the ranks
+start it together, the wait for a slower rank is not counted in the step, and no rank writes
+its trace while another still runs) and, on CUDA, ending
+with a synchronize (so that the GPU work of step k lies inside step k's window). The
+profiler's schedule skips `wait` steps and warms up for `warmup` more before it records
+`steps`: the first recorded steps would otherwise carry the profiler's own start-up.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.profiler import ProfilerActivity, profile, schedule
+
+from zero_lab.profiling.marks import mark
+
+STEP = "train step"  # the mark around each recorded step: the analysis's step windows
+
+
+def trace_path(directory: Path | str, rank: int) -> Path:
+    return Path(directory) / f"rank{rank}.json"
+
+
+def capture(step: Callable[[], None], directory: Path | str, *, steps: int = 3,
+            warmup: int = 1, wait: int = 0, device: torch.device | str = "cpu",
+            profile_memory: bool = True, record_shapes: bool = True) -> Path:
+    """Profile `steps` calls of `step()` (after `wait` + `warmup` unrecorded ones) and write
+    this rank's trace to `directory/rank<r>.json`; returns its path.
+
+    `record_shapes` lets the analysis read the bytes of each collective; `profile_memory`
+    adds the allocator's events (memory over the step). Both cost time: the trace's step
+    times are a profiled run's, not the benchmark's.
+    """
+    if steps < 1 or warmup < 0 or wait < 0:
+        raise ValueError(f"need steps >= 1 and warmup, wait >= 0; got {steps}, {warmup}, {wait}")
+    device = torch.device(device)
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    path = trace_path(directory, rank)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    activities = [ProfilerActivity.CPU]
+    if device.type == "cuda":
+        activities.append(ProfilerActivity.CUDA)
+    with profile(activities=activities,
+                 schedule=schedule(wait=wait, warmup=warmup, active=steps, repeat=1),
+                 on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)),
+                 record_shapes=record_shapes, profile_memory=profile_memory) as prof:
+        for _ in range(wait + warmup + steps):
+            if dist.is_initialized():
+                dist.barrier()
+            with mark(STEP):
+                step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+            if dist.is_initialized():
+                # Every rank finishes the step before any writes its trace (a rank writing
+                # ~1 MB of JSON slowed another rank's last step 4x on two cores).
+                dist.barrier()
+            prof.step()
+    return path
