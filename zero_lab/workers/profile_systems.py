@@ -78,7 +78,7 @@ def main() -> None:
         trace = capture(step, args.out / name, steps=args.steps, device=device)
         ledger = CommLedger()
 
-        def step_with_ledger() -> None:
+        def step_with_ledger(ledger=ledger, step=step) -> None:
             with ledger:  # the step only: capture's barrier stays out of it
                 step()
 
