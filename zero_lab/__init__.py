@@ -7,6 +7,7 @@ each rank reported. The package has one home for each side, and shared modules b
     parent side   grading/        exercise checks, student copies, the launcher for learner code
                   bench.py        `make bench`: the command and its summary
                   plots.py        figures          widgets.py   the interactive calculator
+                  trace_plots.py  figures of profiler traces (notebook 06)
                   course.py       `make run`: the notebooks, executed in order
     rank side     workers/        the scripts torchrun starts, one per notebook job
     shared        stages/         shard(): stages 0-3 and what they share
@@ -16,6 +17,7 @@ each rank reported. The package has one home for each side, and shared modules b
                   memory.py       PREDICTED bytes: the calculators (formulas, no torch)
                   measured.py     MEASURED bytes: storages counted, peaks, timelines
                   step_timeline.py  one training step measured op by op (notebook 05)
+                  profiling/      marks the stages leave in a trace, capture, analysis
                   workloads.py    demo models, synthetic batches, the measured training loop
                   exercises.py    what graded learner code meets on the ranks
                   seed_blog.py    the seed blog's ZeRO, paraphrased once, to be measured

@@ -14,6 +14,7 @@ reference solution fenced by `### BEGIN SOLUTION` / `### END SOLUTION`; the next
     nb03_zero1.py       stage 1: the owned slice, the sharded optimizer step (3 ranks)
     nb04_zero2.py       stage 2: the bucketed gradient hook (3 ranks)
     nb05_zero3.py       stage 3: materialize/release, the post-backward reduce-scatter (3 ranks)
+    nb06_profiler.py    reading a trace: exposed communication, the most exposed unit
 
 This is the parent side: it starts the rank scripts in zero_lab/workers/, never imports them;
 what both sides need (GradBucket, BareUnit) lives in `zero_lab.exercises`.
@@ -29,6 +30,7 @@ from zero_lab.grading.nb02_collectives import check_ring_bytes_sent, check_ring_
 from zero_lab.grading.nb03_zero1 import check_owned_range, check_sharded_step
 from zero_lab.grading.nb04_zero2 import check_bucket_hook
 from zero_lab.grading.nb05_zero3 import check_materialize_release, check_post_backward
+from zero_lab.grading.nb06_profiler import check_exposed_communication, check_most_exposed_unit
 from zero_lab.grading.student import (
     BEGIN_MARK,
     END_MARK,
@@ -45,8 +47,10 @@ __all__ = [
     "ExerciseFailed",
     "check_bucket_hook",
     "check_bytes_per_param",
+    "check_exposed_communication",
     "check_largest_model",
     "check_materialize_release",
+    "check_most_exposed_unit",
     "check_owned_range",
     "check_per_rank_bytes",
     "check_post_backward",

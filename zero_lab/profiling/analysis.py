@@ -42,26 +42,31 @@ def _spans(events: Iterable[Event], kind: str) -> list[iv.Interval]:
     return [(e.start, e.end) for e in events if e.kind == kind]
 
 
+def categorize(events: Iterable[Event], window: iv.Interval) -> dict[str, list[iv.Interval]]:
+    """The intervals of each category inside `window` (see the module docstring): compute,
+    optimizer, exposed_comm, idle, and overlapped_comm (which lies under compute)."""
+    events = list(events)
+    blocked = iv.clip(_spans(events, "comm"), window)
+    busy = iv.subtract(iv.clip(_spans(events, "compute"), window), blocked)
+    optimizer = iv.clip(_spans(events, "optimizer"), window)
+    in_flight = iv.union(iv.clip(_spans(events, "in_flight"), window) + blocked)
+    return {
+        "compute": iv.subtract(busy, optimizer),
+        "optimizer": iv.intersect(busy, optimizer),
+        "exposed_comm": iv.subtract(in_flight, busy),
+        "idle": iv.subtract([window], busy + in_flight),
+        "overlapped_comm": iv.intersect(in_flight, busy),
+    }
+
+
 def breakdown(events: Iterable[Event], window: iv.Interval) -> dict[str, float]:
     """Time in each category (microseconds) inside `window`; see the module docstring.
 
     Returns compute, optimizer, exposed_comm, idle (summing to the window), and
     overlapped_comm, comm (= exposed + overlapped), step (the window's length).
     """
-    events = list(events)
-    blocked = iv.clip(_spans(events, "comm"), window)
-    busy = iv.subtract(iv.clip(_spans(events, "compute"), window), blocked)
-    optimizer = iv.clip(_spans(events, "optimizer"), window)
-    in_flight = iv.union(iv.clip(_spans(events, "in_flight"), window) + blocked)
-    step = window[1] - window[0]
-    out = {
-        "compute": iv.total(iv.subtract(busy, optimizer)),
-        "optimizer": iv.total(iv.intersect(busy, optimizer)),
-        "exposed_comm": iv.total(iv.subtract(in_flight, busy)),
-        "idle": step - iv.total(busy + in_flight),
-        "overlapped_comm": iv.total(iv.intersect(in_flight, busy)),
-        "step": step,
-    }
+    out = {name: iv.total(spans) for name, spans in categorize(events, window).items()}
+    out["step"] = window[1] - window[0]
     out["comm"] = out["exposed_comm"] + out["overlapped_comm"]
     return out
 
@@ -84,6 +89,25 @@ def mean_breakdown(traces: list[Trace]) -> dict[str, float]:
     return mean
 
 
+def typical_breakdown(traces: list[Trace], pick: str = "median") -> dict[str, float]:
+    """Like `mean_breakdown`, but each rank contributes one step, its median (by length) or,
+    with pick="fastest", its shortest; the categories are averaged over ranks. A step slowed
+    by something outside the program (another process, the machine) does not pull the
+    figures; the fastest step is the closest to the program's own cost."""
+    if pick not in ("median", "fastest"):
+        raise ValueError(f"pick must be 'median' or 'fastest', got {pick!r}")
+    picked = []
+    for trace in traces:
+        rows = sorted(step_breakdowns(trace), key=lambda b: b["step"])
+        if not rows:
+            raise ValueError(f"no recorded step in {trace.path}")
+        picked.append(rows[(len(rows) - 1) // 2] if pick == "median" else rows[0])
+    out = {k: sum(r[k] for r in picked) / len(picked) for k in picked[0]}
+    out["critical_comm_share"] = out["exposed_comm"] / out["step"]
+    out["overlap"] = out["overlapped_comm"] / out["comm"] if out["comm"] else 0.0
+    return out
+
+
 # ------------------------------------------------------------------------- collectives
 # torch's dispatcher ops -> the ledger's op names (zero_lab.collectives.CommLedger)
 _TORCH_OPS = {
@@ -102,8 +126,11 @@ def _inside(event: Event, outer: Event) -> bool:
     return outer.start <= event.start and event.end <= outer.end and event.track == outer.track
 
 
-def _numel(dims) -> int:
-    """Elements of a profiler "Input Dims" entry: a tensor's dims or a list of them."""
+def _numel(dims) -> int | None:
+    """Elements of a profiler "Input Dims" entry: a tensor's dims or a list of them (None
+    when the trace was captured without shapes)."""
+    if dims is None:
+        return None
     if not dims:
         return 0
     if isinstance(dims[0], list):
@@ -117,7 +144,8 @@ def _numel(dims) -> int:
 def collectives(trace: Trace) -> list[dict]:
     """Every collective issued inside a recorded step, in order: {"op" (the ledger's name),
     "label" (zero_lab's "unit 3" / "bucket 1", or the torch op), "numel" (the full message,
-    as the ledger counts it; needs record_shapes), "start", "step"}.
+    as the ledger counts it; None if the trace was captured without record_shapes),
+    "start", "step"}.
 
     zero_lab's marks are read first; torch ops inside them are the same collective (the
     direct exchange's isend/irecv, or torch's collective) and are not counted again.
@@ -141,10 +169,8 @@ def collectives(trace: Trace) -> list[dict]:
         for e in filter(in_step, ops):
             if not any(_inside(e, m) for m in marks):
                 op = _TORCH_OPS[e.name]
-                dims = e.args.get("Input Dims") or [[]]
-                arg = _FULL_ARG.get(op, 0)
                 out.append({"op": op, "label": e.name, "start": e.start, "step": k,
-                            "numel": _numel(dims[arg] if arg < len(dims) else [])})
+                            "numel": _op_numel(e, op)})
     return sorted(out, key=lambda c: c["start"])
 
 
@@ -153,12 +179,20 @@ def _mark_numel(op: str, inner: list[Event], world_size: int) -> int:
     own collective, or the direct exchange's N-1 sends of one chunk each (x N/(N-1))."""
     for e in inner:
         if _TORCH_OPS[e.name] == op:
-            dims = e.args.get("Input Dims") or [[]]
-            arg = _FULL_ARG.get(op, 0)
-            return _numel(dims[arg] if arg < len(dims) else [])
-    sent = sum(_numel((e.args.get("Input Dims") or [[]])[0]) for e in inner
-               if e.name == "c10d::send")
-    return sent * world_size // (world_size - 1) if world_size > 1 else 0
+            return _op_numel(e, op)
+    sends = [_op_numel(e, "send") for e in inner if e.name == "c10d::send"]
+    if any(n is None for n in sends):
+        return None
+    return sum(sends) * world_size // (world_size - 1) if world_size > 1 else 0
+
+
+def _op_numel(e: Event, op: str) -> int | None:
+    """The full message of one torch collective call (None without recorded shapes)."""
+    dims = e.args.get("Input Dims")
+    if dims is None:
+        return None
+    arg = _FULL_ARG.get(op, 0)
+    return _numel(dims[arg] if arg < len(dims) else [])
 
 
 def collective_counts(trace: Trace, step: int | None = None) -> dict[str, int]:
@@ -185,6 +219,37 @@ def blocking_time(events: Iterable[Event], window: iv.Interval | None = None
         elif is_collective_mark(e.name):
             out[e.name] += e.duration
     return dict(out)
+
+
+def collective_spans(trace: Trace, window: iv.Interval) -> list[tuple[str, str, float, float]]:
+    """(op, label, start, end) of every collective in `window`, from issue to completion as
+    far as the trace can tell: zero_lab's collectives from their mark to the end of their
+    wait (marks and waits of one name pair up in order); others from gloo's spans or the
+    NCCL kernels. For timelines."""
+    lo, hi = window
+    events = sorted((e for e in trace.events if lo <= e.start < hi), key=lambda e: e.start)
+    waits: dict[str, list[Event]] = defaultdict(list)
+    for e in events:
+        if e.name.startswith(WAIT):
+            waits[e.name[len(WAIT):]].append(e)
+    spans = []
+    for e in events:
+        if is_collective_mark(e.name) and e.track == "main":
+            end = waits[e.name].pop(0).end if waits[e.name] else e.end
+            op, label = e.name.split(" / ", 1)
+            spans.append((op.replace("-", "_"), label, e.start, end))
+    if spans:
+        return spans
+    for e in events:  # torch's collectives: gloo's worker-thread spans, or NCCL kernels
+        name = e.name.lower()
+        if e.kind == "in_flight" and (e.name.startswith("gloo:") or "nccl" in name):
+            op = next((o for o in ("all_gather", "reduce_scatter", "all_reduce", "broadcast",
+                                   "send", "recv", "barrier")
+                       if o in name.replace("allgather", "all_gather")
+                       .replace("reducescatter", "reduce_scatter")
+                       .replace("allreduce", "all_reduce")), "other")
+            spans.append((op, "", e.start, e.end))
+    return spans
 
 
 # ------------------------------------------------------------------------- ops, memory

@@ -8,16 +8,19 @@ For every system (built on the same initial model, `zero_lab.bench_systems`), in
 2. `timed` steps without the profiler, each after a barrier: the step time the trace's
    numbers are compared with (the profiler's own cost is the difference);
 3. `steps` steps under torch.profiler (zero_lab.profiling.capture): --out/<system>/rank<r>.json;
-4. one more step under the profiler *and* a CommLedger: --out/<system>/ledger/rank<r>.json,
-   so that the trace's collective count can be checked against the ledger's for the same
-   step (the ledger's dispatch mode costs time, so it stays out of the timed traces).
-Reports per system: the unprofiled step times (slowest rank), the ledger's records, paths.
+4. one more step under the profiler (recording shapes) *and* a CommLedger:
+   --out/<system>/ledger/rank<r>.json, so that the trace's collectives (count and size) can
+   be checked against the ledger's for the same step (the ledger's dispatch mode and the
+   shapes cost time, so they stay out of the timed traces).
+Reports per system: the unprofiled step times (slowest rank), the page faults of each
+unprofiled and profiled step (this rank), the ledger's records, the trace's path.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import resource
 import time
 from pathlib import Path
 
@@ -28,12 +31,18 @@ from zero_lab.bench_systems import PROFILE_SYSTEMS, BenchConfig
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.profiling.capture import capture
-from zero_lab.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice
+from zero_lab.workloads import count_parameters, deep_mlp, mlp_batch, mse_loss, rank_slice
 
 
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def _minor_faults() -> int:
+    """Page faults served without I/O so far: each is a fresh 4 KiB page the kernel had to
+    hand this process (large temporaries newly mapped show up here)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
 def main() -> None:
@@ -65,32 +74,42 @@ def main() -> None:
 
         for _ in range(config.warmup):
             step()
-        times = []
+        times, faults = [], {"unprofiled": [], "profiled": []}
         for _ in range(args.timed):
             dist.barrier()
             _sync(device)
-            start = time.perf_counter()
+            start, before = time.perf_counter(), _minor_faults()
             step()
             _sync(device)
             times.append(time.perf_counter() - start)
+            faults["unprofiled"].append(_minor_faults() - before)
+
+        def counted_step(step=step, faults=faults) -> None:
+            before = _minor_faults()
+            step()
+            faults["profiled"].append(_minor_faults() - before)
+
         slowest = torch.tensor(times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when every rank is done
-        trace = capture(step, args.out / name, steps=args.steps, device=device)
+        trace = capture(counted_step, args.out / name, steps=args.steps, device=device)
         ledger = CommLedger()
 
         def step_with_ledger(ledger=ledger, step=step) -> None:
             with ledger:  # the step only: capture's barrier stays out of it
                 step()
 
-        capture(step_with_ledger, args.out / name / "ledger", steps=1, warmup=0, device=device)
+        capture(step_with_ledger, args.out / name / "ledger", steps=1, warmup=0, device=device,
+                record_shapes=True)  # the sizes of the collectives, for the ledger check
         results[name] = {"step_times": slowest.tolist(), "trace": str(trace),
+                         "minor_faults": faults,
                          "ledger": [{"op": r.op, "numel": r.numel, "nbytes": r.nbytes}
                                     for r in ledger.records]}
         if rank == 0:
             print(f"{name:18s} {1e3 * sorted(times)[len(times) // 2]:7.2f} ms per step "
                   f"(median of {args.timed}, unprofiled); traces in {args.out / name}")
     report({"systems": results, "world_size": n, "backend": info.backend,
-            "device": str(device)})
+            "device": str(device), "n_params": count_parameters(deep_mlp(config.width,
+                                                                           config.depth))})
 
 
 if __name__ == "__main__":
