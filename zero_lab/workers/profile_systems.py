@@ -3,10 +3,11 @@
     profile_systems.py --systems stage0 stage3 ... --config '{"width": 512, ...}'
                        --out runs/profiles [--steps 3] [--timed 6]
 
-For every system (built on the same initial model, `zero_lab.bench_systems`), in order:
-1. `warmup` unrecorded steps;
-2. `timed` steps without the profiler, each after a barrier: the step time the trace's
-   numbers are compared with (the profiler's own cost is the difference);
+Every system is built on the same initial model (`zero_lab.bench_systems`), then:
+1. `warmup` unrecorded steps each;
+2. `timed` rounds of one unprofiled step per system, each after a barrier: the step times
+   the trace's numbers are compared with (rounds, so that whatever else the machine does
+   falls on every system alike); then per system:
 3. `steps` steps under torch.profiler (zero_lab.profiling.capture): --out/<system>/rank<r>.json;
    if even the fastest of them was 30% slower than the fastest unprofiled step, something
    else had the machine (on 2 shared cores a whole recording can be slowed): the recording
@@ -52,6 +53,63 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+class Run:
+    """One system on this rank: its trainer, the steps it has taken, what was measured."""
+
+    def __init__(self, name: str, config: BenchConfig, info) -> None:
+        torch.manual_seed(config.seed)  # every system starts from the same weights
+        model = deep_mlp(config.width, config.depth).to(info.device)
+        self.name, self.config, self.info = name, config, info
+        self.trainer = PROFILE_SYSTEMS[name].build(model, config, info.device)
+        self.done = 0
+        self.times: list[float] = []
+        self.profiled: list[float] = []
+        self.faults: dict[str, list[int]] = {"unprofiled": [], "profiled": []}
+
+    def step(self) -> None:
+        """One training step on the next global batch (this rank's rows of it)."""
+        c, n = self.config, self.info.world_size
+        full = mlp_batch(self.done, c.batch * n, c.width, seed=c.seed, device=self.info.device)
+        mse_loss(self.trainer.model, rank_slice(full, self.info.rank, n)).backward()
+        self.trainer.optimizer.step()
+        self.trainer.optimizer.zero_grad()
+        self.done += 1
+
+    def measured_step(self, kind: str) -> float:
+        """A step, timed (seconds) and its page faults counted under `kind`."""
+        before, start = _minor_faults(), time.perf_counter()
+        self.step()
+        _sync(self.info.device)
+        self.faults[kind].append(_minor_faults() - before)
+        return time.perf_counter() - start
+
+    def record(self, out: Path, steps: int) -> tuple[Path, int]:
+        """Profile `steps` steps into out/<name>/; retake a disturbed recording."""
+        for retakes in range(RETAKES + 1):  # noqa: B007 (returned)
+            self.profiled, self.faults["profiled"] = [], []
+            path = capture(lambda: self.profiled.append(self.measured_step("profiled")),
+                           out / self.name, steps=steps, device=self.info.device,
+                           profile_memory=False)
+            disturbed = torch.tensor([float(min(self.profiled[-steps:]) >
+                                            SLOWER * min(self.times) + 0.002)])
+            dist.all_reduce(disturbed, op=dist.ReduceOp.MAX)  # the ranks decide together
+            if not disturbed.item():
+                break
+        return path, retakes
+
+    def ledger_step(self, out: Path) -> list[dict]:
+        """One more step under the profiler (with shapes) and a CommLedger."""
+        ledger = CommLedger()
+
+        def step() -> None:
+            with ledger:  # the step only: capture's barriers stay out of it
+                self.step()
+
+        capture(step, out / self.name / "ledger", steps=1, warmup=0, device=self.info.device,
+                record_shapes=True, profile_memory=True)  # sizes and memory, not timings
+        return [{"op": r.op, "numel": r.numel, "nbytes": r.nbytes} for r in ledger.records]
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--systems", nargs="+", required=True, choices=list(PROFILE_SYSTEMS))
@@ -62,75 +120,31 @@ def main() -> None:
     args = parser.parse_args()
     config = BenchConfig(**json.loads(args.config))
     info = init_worker()
-    n, rank, device = info.world_size, info.rank, info.device
-    results = {}
-    for name in args.systems:
-        torch.manual_seed(config.seed)  # every system starts from the same weights
-        model = deep_mlp(config.width, config.depth).to(device)
-        trainer = PROFILE_SYSTEMS[name].build(model, config, device)
-        done = 0
-
-        def step(trainer=trainer) -> None:
-            nonlocal done
-            full = mlp_batch(done, config.batch * n, config.width, seed=config.seed,
-                             device=device)
-            mse_loss(trainer.model, rank_slice(full, rank, n)).backward()
-            trainer.optimizer.step()
-            trainer.optimizer.zero_grad()
-            done += 1
-
+    runs = [Run(name, config, info) for name in args.systems]
+    for run in runs:
         for _ in range(config.warmup):
-            step()
-        times, faults = [], {"unprofiled": [], "profiled": []}
-        for _ in range(args.timed):
+            run.step()
+    # Unprofiled steps in rounds, every system once per round: whatever else the machine
+    # does while they run falls on all systems alike.
+    for _ in range(args.timed):
+        for run in runs:
             dist.barrier()
-            _sync(device)
-            start, before = time.perf_counter(), _minor_faults()
-            step()
-            _sync(device)
-            times.append(time.perf_counter() - start)
-            faults["unprofiled"].append(_minor_faults() - before)
-
-        profiled: list[float] = []
-
-        def counted_step(step=step, faults=faults, profiled=profiled) -> None:
-            before, start = _minor_faults(), time.perf_counter()
-            step()
-            _sync(device)
-            profiled.append(time.perf_counter() - start)
-            faults["profiled"].append(_minor_faults() - before)
-
-        slowest = torch.tensor(times, dtype=torch.float64)
+            _sync(info.device)
+            run.times.append(run.measured_step("unprofiled"))
+    results = {}
+    for run in runs:
+        slowest = torch.tensor(run.times, dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when every rank is done
-        # A recording during which the machine was busy elsewhere (every recorded step far
-        # slower than the unprofiled ones) is retaken, at most RETAKES times, and counted.
-        for retakes in range(RETAKES + 1):  # noqa: B007 (reported below)
-            profiled.clear()
-            faults["profiled"].clear()
-            trace = capture(counted_step, args.out / name, steps=args.steps, device=device)
-            disturbed = torch.tensor([float(min(profiled[-args.steps:]) >
-                                            SLOWER * min(times) + 0.002)])
-            dist.all_reduce(disturbed, op=dist.ReduceOp.MAX)  # the ranks decide together
-            if not disturbed.item():
-                break
-        ledger = CommLedger()
-
-        def step_with_ledger(ledger=ledger, step=step) -> None:
-            with ledger:  # the step only: capture's barrier stays out of it
-                step()
-
-        capture(step_with_ledger, args.out / name / "ledger", steps=1, warmup=0, device=device,
-                record_shapes=True)  # the sizes of the collectives, for the ledger check
-        results[name] = {"step_times": slowest.tolist(), "trace": str(trace),
-                         "minor_faults": faults, "retakes": retakes,
-                         "ledger": [{"op": r.op, "numel": r.numel, "nbytes": r.nbytes}
-                                    for r in ledger.records]}
-        if rank == 0:
-            print(f"{name:18s} {1e3 * sorted(times)[len(times) // 2]:7.2f} ms per step "
-                  f"(median of {args.timed}, unprofiled); traces in {args.out / name}")
-    report({"systems": results, "world_size": n, "backend": info.backend,
-            "device": str(device), "n_params": count_parameters(deep_mlp(config.width,
-                                                                           config.depth))})
+        trace, retakes = run.record(args.out, args.steps)
+        results[run.name] = {"step_times": slowest.tolist(), "trace": str(trace),
+                             "minor_faults": run.faults, "retakes": retakes,
+                             "ledger": run.ledger_step(args.out)}
+        if info.rank == 0:
+            print(f"{run.name:18s} {1e3 * slowest.median().item():7.2f} ms per step (median of "
+                  f"{args.timed}, unprofiled); traces in {args.out / run.name}")
+    report({"systems": results, "world_size": info.world_size, "backend": info.backend,
+            "device": str(info.device),
+            "n_params": count_parameters(deep_mlp(config.width, config.depth))})
 
 
 if __name__ == "__main__":
