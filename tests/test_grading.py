@@ -211,6 +211,12 @@ WRONG = {
                          ids=[e[1] for e in _exercises(NB01)])
 def test_notebook01_check_accepts_reference_rejects_stub_and_mistakes(source, check, fn_name,
                                                                      capsys):
+    assert_check_grades(check, source, fn_name, WRONG[check], capsys)
+
+
+def assert_check_grades(check: str, source: str, fn_name: str, wrong: list, capsys) -> None:
+    """The check passes the notebook's own solution (`source`), fails its student stub, and
+    rejects each (mistake, words of its explanation) in `wrong` with that explanation."""
     check_fn = getattr(grading, check)
     check_fn(_define(source, fn_name))  # the notebook's own reference solution
     assert capsys.readouterr().out.startswith(f"✓ {check}:")
@@ -219,7 +225,7 @@ def test_notebook01_check_accepts_reference_rejects_stub_and_mistakes(source, ch
     with pytest.raises(ExerciseFailed, match="not implemented yet"):
         check_fn(stub)
 
-    for mistake, explanation in WRONG[check]:
+    for mistake, explanation in wrong:
         with pytest.raises(ExerciseFailed, match=re.escape(explanation)):
             check_fn(mistake)
 

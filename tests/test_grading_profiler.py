@@ -3,13 +3,9 @@ and every known mistake is rejected with its explanation."""
 
 from __future__ import annotations
 
-import re
-
 import pytest
-from test_grading import _define, _exercises
+from test_grading import _exercises, assert_check_grades
 
-from zero_lab import grading
-from zero_lab.grading import ExerciseFailed
 from zero_lab.grading import nb06_profiler as nb06
 from zero_lab.paths import NOTEBOOKS
 
@@ -40,19 +36,10 @@ def test_notebook06_has_the_two_exercises():
                          ids=[e[1] for e in _exercises(NB06)])
 def test_notebook06_check_accepts_reference_rejects_stub_and_mistakes(source, check, fn_name,
                                                                      capsys):
-    check_fn = getattr(grading, check)
-    namespace_source = ("from zero_lab.profiling import intervals as iv\n"
-                        "from zero_lab.profiling.analysis import unit_of\n" + source)
-    check_fn(_define(namespace_source, fn_name))
-    assert capsys.readouterr().out.startswith(f"✓ {check}:")
-
-    stub = _define(grading.stub_solutions(namespace_source), fn_name)
-    with pytest.raises(ExerciseFailed, match="not implemented yet"):
-        check_fn(stub)
-
-    for mistake, explanation in WRONG[check]:
-        with pytest.raises(ExerciseFailed, match=re.escape(explanation)):
-            check_fn(mistake)
+    # the notebook's imports the solutions use
+    source = ("from zero_lab.profiling import intervals as iv\n"
+              "from zero_lab.profiling.analysis import unit_of\n" + source)
+    assert_check_grades(check, source, fn_name, WRONG[check], capsys)
 
 
 def test_every_case_tells_the_mistakes_apart_from_the_answer():
