@@ -21,6 +21,7 @@ ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "zero_lab"
 
 PARENT_ONLY = ("zero_lab.grading", "zero_lab.bench", "zero_lab.plots", "zero_lab.trace_plots",
+               "zero_lab.scaling_plots",
                "zero_lab.course",
                "zero_lab.widgets")
 RANK_SIDE = "zero_lab.workers"

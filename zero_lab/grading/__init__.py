@@ -15,6 +15,7 @@ reference solution fenced by `### BEGIN SOLUTION` / `### END SOLUTION`; the next
     nb04_zero2.py       stage 2: the bucketed gradient hook (3 ranks)
     nb05_zero3.py       stage 3: materialize/release, the post-backward reduce-scatter (3 ranks)
     nb06_profiler.py    reading a trace: exposed communication, the most exposed unit
+    nb07_scaling.py     choosing a stage and a world size for a model and a cluster
 
 This is the parent side: it starts the rank scripts in zero_lab/workers/, never imports them;
 what both sides need (GradBucket, BareUnit) lives in `zero_lab.exercises`.
@@ -31,6 +32,7 @@ from zero_lab.grading.nb03_zero1 import check_owned_range, check_sharded_step
 from zero_lab.grading.nb04_zero2 import check_bucket_hook
 from zero_lab.grading.nb05_zero3 import check_materialize_release, check_post_backward
 from zero_lab.grading.nb06_profiler import check_exposed_communication, check_most_exposed_unit
+from zero_lab.grading.nb07_scaling import check_stage_choice
 from zero_lab.grading.student import (
     BEGIN_MARK,
     END_MARK,
@@ -57,6 +59,7 @@ __all__ = [
     "check_ring_bytes_sent",
     "check_ring_reduce_scatter",
     "check_sharded_step",
+    "check_stage_choice",
     "fail",
     "main",
     "passed",

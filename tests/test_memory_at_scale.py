@@ -1,0 +1,28 @@
+"""The fake process group's worker (notebook 07): rank 0 of N really holds what the formula
+says, up to the padding of each flat group, for N up to 1024 and a model whose layers N
+does not divide."""
+
+from __future__ import annotations
+
+from zero_lab import memory
+from zero_lab.launch import torchrun
+from zero_lab.paths import WORKERS
+
+
+def test_one_rank_of_n_holds_the_formula_plus_padding_up_to_n_1024():
+    worlds = [1, 3, 64, 1024]
+    result = torchrun(WORKERS / "memory_at_scale.py", nproc=1, stream=False, timeout=300,
+                      args=["--width", "10", "--depth", "3", "--worlds", *worlds])
+    rows = result.ranks[0]["rows"]
+    assert {(r["world_size"], r["stage"]) for r in rows} == (
+        {(n, s) for n in worlds for s in (1, 2, 3)} | {(1, 0), (1024, 0)})
+    for r in rows:
+        psi = r["psi"]
+        assert psi == 3 * (10 * 10 + 10)
+        assert r["predicted"] == memory.model_state_bytes(psi, r["stage"], r["world_size"],
+                                                          "fp32", "adam")["total"]
+        padding = r["held"]["total"] - r["predicted"]
+        assert 0 <= padding <= 16 * r["world_size"] * r["groups"], r
+        assert r["peak"] >= r["held"]["total"]
+    third = {r["world_size"]: r["held"]["total"] for r in rows if r["stage"] == 3}
+    assert third[3] < third[1] / 2 and third[1024] < third[64]

@@ -1,0 +1,61 @@
+"""Figures of notebook 07: per-rank memory against N (measured and the formula, log axes),
+and the projected step time against N per stage and link. Parent side (matplotlib)."""
+
+from __future__ import annotations
+
+STAGE_COLORS = {0: "#4C72B0", 1: "#DD8452", 2: "#55A868", 3: "#C44E52"}
+
+
+def memory_vs_world_figure(rows: list[dict], title: str, unit=2**20, unit_name="MiB"):
+    """Per stage: `memory.model_state_bytes` as a line, the bytes rank 0 measurably held
+    as dots, and the step's peak as crosses; both axes logarithmic."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 5))
+    for stage in sorted({r["stage"] for r in rows}):
+        mine = sorted((r for r in rows if r["stage"] == stage), key=lambda r: r["world_size"])
+        n = [r["world_size"] for r in mine]
+        color = STAGE_COLORS[stage]
+        ax.plot(n, [r["predicted"] / unit for r in mine], "-", color=color, alpha=0.6,
+                label=f"stage {stage}: formula")
+        ax.plot(n, [r["held"]["total"] / unit for r in mine], "o", color=color,
+                label=f"stage {stage}: held (measured)")
+        ax.plot(n, [r["peak"] / unit for r in mine], "x", color=color, markersize=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("world size N (rank 0 of N, fake process group)")
+    ax.set_ylabel(f"{unit_name} on rank 0")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=2, title="x = peak during a step", title_fontsize=7)
+    ax.grid(True, which="both", alpha=0.25)
+    fig.tight_layout()
+    return fig
+
+
+def projected_time_figure(curves: dict[str, dict[int, list[tuple[int, float]]]],
+                          measured: dict[int, list[tuple[int, float]]] | None = None,
+                          title: str = "Projected step time per stage"):
+    """One panel per link: projected step time against N for each stage (lines); with
+    `measured` ({stage: [(N, seconds)]}), this machine's measured steps as dots on the
+    panel of this machine's link (the first)."""
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.8), sharey=False,
+                             squeeze=False)
+    for i, (ax, (link, by_stage)) in enumerate(zip(axes[0], curves.items(), strict=True)):
+        for stage, points in sorted(by_stage.items()):
+            ax.plot([n for n, _ in points], [t * 1e3 for _, t in points], "-",
+                    color=STAGE_COLORS[stage], label=f"stage {stage}")
+        if measured and i == 0:
+            for stage, points in sorted(measured.items()):
+                ax.plot([n for n, _ in points], [t * 1e3 for _, t in points], "o",
+                        color=STAGE_COLORS[stage])
+        ax.set_xscale("log", base=2)
+        ax.set_title(link, fontsize=9)
+        ax.set_xlabel("world size N")
+        ax.grid(True, which="both", alpha=0.25)
+    axes[0][0].set_ylabel("ms per step (dots: measured here)")
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(title)
+    fig.tight_layout()
+    return fig
