@@ -51,6 +51,7 @@ def projected_time_figure(curves: dict[str, dict[int, list[tuple[int, float]]]],
                 ax.plot([n for n, _ in points], [t * 1e3 for _, t in points], "o",
                         color=STAGE_COLORS[stage])
         ax.set_xscale("log", base=2)
+        ax.set_yscale("log")  # a few ms to seconds: the measured dots stay readable
         ax.set_title(link, fontsize=9)
         ax.set_xlabel("world size N")
         ax.grid(True, which="both", alpha=0.25)
