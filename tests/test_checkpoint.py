@@ -59,6 +59,20 @@ def test_resume_at_another_stage_and_world_size_continues_exactly(saved, stage, 
         close(rank["final"], ran["final"])
 
 
+def test_mixed_precision_restores_the_fp32_masters_exactly(tmp_path):
+    """bf16 at stage 3 on 2 ranks, loaded at stage 2 on 3 ranks: the fp32 masters (what
+    full_state_dict returns in mixed precision) come back bit for bit."""
+    directory = tmp_path / "bf16"
+    ran = launch("train_save", 2, directory, 3, "--steps", "2", "--total", "2",
+                 "--precision", "bf16").ranks[0]
+    resumed = launch("resume", 3, directory, 2, "--total", "2", "--precision", "bf16").ranks
+    assert checkpoint.read_manifest(directory)["parameters"]["a.weight"]["dtype"] == "bfloat16"
+    for rank in resumed:
+        assert rank["final"] == ran["at_save"]
+    weights = checkpoint.consolidate(directory)
+    assert {k: v.double().flatten().tolist() for k, v in weights.items()} == ran["at_save"]
+
+
 def test_manifest_names_pieces_by_parameter_and_never_saves_padding(saved):
     directory, _ = saved
     manifest = checkpoint.read_manifest(directory)

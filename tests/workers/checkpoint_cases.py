@@ -88,13 +88,14 @@ def main() -> None:
     parser.add_argument("--dir", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--total", type=int, default=5)
+    parser.add_argument("--precision", default="fp32")
     args = parser.parse_args()
     info = init_worker()
     rank, world = info.rank, info.world_size
 
     if args.case == "train_save":
         torch.manual_seed(0)
-        model, opt = shard(Net(), args.stage, optimizer=adamw)
+        model, opt = shard(Net(), args.stage, optimizer=adamw, precision=args.precision)
         train(model, opt, 0, args.steps, rank, world)
         checkpoint.save(model, opt, args.dir, step=args.steps)
         at_save = as_lists(full_state_dict(model))
@@ -104,7 +105,7 @@ def main() -> None:
 
     elif args.case == "resume":
         torch.manual_seed(123)  # not the saved weights: the load must overwrite everything
-        model, opt = shard(Net(), args.stage, optimizer=adamw)
+        model, opt = shard(Net(), args.stage, optimizer=adamw, precision=args.precision)
         model.scale.fill_(-1.0)
         manifest = checkpoint.load(model, opt, args.dir)
         train(model, opt, manifest["step"], args.total, rank, world)
