@@ -226,6 +226,7 @@ PUBLIC_API = {  # name: (a call that works, {argument: values that must be refus
          "sequence_parallel": FLAG},
     ),
     "activation_breakdown_per_layer": (LAYER, SHAPE),
+    "activation_bytes_saved_by_torch": (LAYER, {**SHAPE, "mask_bytes": COUNT}),
     "activation_bytes": (
         {"n_layers": 24, **LAYER},
         {"n_layers": COUNT, **SHAPE, "checkpointing": ["Full", 0, None],
@@ -381,6 +382,25 @@ def test_activation_variants():
     )
     with pytest.raises(ValueError, match=r"checkpointing must be one of 'none', 'selective'"):
         memory.activation_bytes_per_layer(s, b, h, a, "some")
+
+
+@pytest.mark.parametrize("s, b, h, a", [(64, 2, 64, 4), (33, 3, 48, 3)])
+def test_what_autograd_saves_for_a_gpt_layer_is_the_formula_to_the_byte(s, b, h, a):
+    torch = pytest.importorskip("torch")
+    from zero_lab.measured import saved_activation_bytes
+    from zero_lab.workloads import GPTLayer
+
+    layer = GPTLayer(h, a).to(torch.bfloat16).train()
+    x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)
+    saved = saved_activation_bytes(lambda: layer(x), exclude=layer.parameters())
+    assert saved == memory.activation_bytes_saved_by_torch(s, b, h, a)  # CPU: 2-byte masks
+    assert saved > memory.activation_bytes_per_layer(s, b, h, a)
+    with_params = saved_activation_bytes(lambda: layer(x))
+    assert with_params > saved  # the weights are saved too, and `exclude` leaves them out
+    checkpointed = saved_activation_bytes(
+        lambda: torch.utils.checkpoint.checkpoint(layer, x, use_reentrant=False),
+        exclude=layer.parameters())
+    assert checkpointed == memory.activation_bytes_per_layer(s, b, h, a, "full") == 2 * s * b * h
 
 
 def test_zero_paper_activation_and_buffer_examples():

@@ -6,6 +6,7 @@ can put the two side by side (one vocabulary: predicted vs measured):
     held_bytes(model, opt)      model states held now, by category, the keys of
                                 memory.model_state_bytes: params, grads, optimizer, total
     PeakMemory / MemoryTimeline the peak of a block of code, or bytes alive after every op
+    saved_activation_bytes      bytes autograd keeps for backward while a forward runs
 
 Two tensors that are views of one storage (a parameter viewing a flat buffer, a tied
 weight) share memory, so everything here counts *storages*, once each, never tensors.
@@ -13,7 +14,7 @@ weight) share memory, so everything here counts *storages*, once each, never ten
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -186,6 +187,28 @@ class PeakMemory:
 
     def _freed(self, nbytes: int) -> None:
         self._live -= nbytes
+
+
+def saved_activation_bytes(forward: Callable[[], object], exclude: Iterable[torch.Tensor] = ()
+                           ) -> int:
+    """Bytes of the distinct storages autograd saves for backward while `forward()` runs.
+
+    `torch.autograd.graph.saved_tensors_hooks` sees every tensor an op keeps for its
+    backward; each storage counts once (a view saved twice is one storage), and storages
+    in `exclude` (pass the parameters: weights are model states, not activations) not at all.
+    """
+    skip = {_storage_key(t) for t in exclude}
+    saved: dict[tuple[str, int], int] = {}
+
+    def pack(t: torch.Tensor) -> torch.Tensor:
+        key = _storage_key(t)
+        if key not in skip:
+            saved[key] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        forward()
+    return sum(saved.values())
 
 
 def baseline_bytes() -> int:

@@ -277,6 +277,21 @@ def activation_bytes_per_layer(
     return unsplit + (split + attention_core) // t
 
 
+def activation_bytes_saved_by_torch(seq_len: int, batch: int, hidden: int, heads: int,
+                                    mask_bytes: int = 2) -> int:
+    """What PyTorch's autograd keeps for `workloads.GPTLayer` in 16-bit: Korthikanti's count
+    with two implementation details. Dropout masks take `mask_bytes` each (2 on CPU, where
+    torch keeps the mask in the activation dtype; Korthikanti counts 1, as CUDA's bool
+    masks), and each LayerNorm keeps a 16-bit mean and 1/std per token (2 x 2·s·b per norm).
+    """
+    s, b, h, a = _dims(seq_len=seq_len, batch=batch, hidden=hidden, heads=heads)
+    mask_bytes = _whole_positive("mask_bytes", mask_bytes, "bytes per mask element")
+    dropout_elements = a * s * s * b + 2 * s * b * h  # after the softmax, projection and MLP
+    layernorm_stats = 2 * (2 * s * b * 2)
+    return (activation_bytes_per_layer(s, b, h, a) + (mask_bytes - 1) * dropout_elements
+            + layernorm_stats)
+
+
 def activation_breakdown_per_layer(seq_len: int, batch: int, hidden: int, heads: int) -> dict:
     """Korthikanti et al.'s per-layer terms (16-bit, no parallelism), summing to the total."""
     s, b, h, a = _dims(seq_len=seq_len, batch=batch, hidden=hidden, heads=heads)

@@ -60,3 +60,35 @@ def projected_time_figure(curves: dict[str, dict[int, list[tuple[int, float]]]],
     fig.suptitle(title)
     fig.tight_layout()
     return fig
+
+
+def activations_vs_states_figure(rows: list[dict], activations: dict[str, int], formula,
+                                 title: str, unit=2**20, unit_name="MiB"):
+    """Model states one rank holds against N per stage: `formula(stage, n)` as a line at
+    every power of two up to the largest measured N, the measured rows as dots. Each entry of
+    `activations` ({label: bytes}, which no stage divides) is a horizontal line: where it
+    lies above a stage's curve, activations dominate that rank's memory."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(8, 4.6))
+    largest = max(r["world_size"] for r in rows)
+    worlds = [2**k for k in range(largest.bit_length()) if 2**k <= largest]
+    for stage in sorted({r["stage"] for r in rows} - {0}):
+        mine = [r for r in rows if r["stage"] == stage]
+        ax.plot(worlds, [formula(stage, n) / unit for n in worlds], "-",
+                color=STAGE_COLORS[stage], alpha=0.6)
+        ax.plot([r["world_size"] for r in mine], [r["held"]["total"] / unit for r in mine],
+                "o", color=STAGE_COLORS[stage], label=f"model states, stage {stage}")
+    styles = ["--", ":", "-.", (0, (6, 2, 1, 2, 1, 2))]
+    for i, (label, nbytes) in enumerate(activations.items()):
+        ax.axhline(nbytes / unit, color="black", linestyle=styles[i % len(styles)],
+                   linewidth=1.2, label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("world size N (dots: measured, lines: formula)")
+    ax.set_ylabel(f"{unit_name} per rank")
+    ax.set_title(title)
+    ax.legend(fontsize=7, loc="lower left")
+    ax.grid(True, which="both", alpha=0.25)
+    fig.tight_layout()
+    return fig

@@ -6,6 +6,8 @@ Models:
   them "2.3B"); the default here is small enough for a CPU.
 - `TinyGPT`: a small GPT-style transformer (token and position embeddings, pre-LayerNorm
   attention blocks, a final LayerNorm and an output head tied to the token embedding).
+- `GPTLayer`: one transformer layer written out op by op, as Korthikanti et al. count its
+  activations (notebooks 01 and 07 measure what autograd saves against their formula).
 
 Data: every step has one *global* batch, generated from (seed, step) so every rank and a
 single-process reference see the same numbers; `rank_slice` gives each rank its rows. With
@@ -99,6 +101,35 @@ class TinyGPT(nn.Module):
         for block in self.blocks:
             x = block(x)
         return self.head(self.ln_f(x))
+
+
+class GPTLayer(nn.Module):
+    """A pre-LN GPT layer on [s, b, h] inputs: attention and a 4h MLP, dropout after the
+    softmax, the projection and the MLP. Attention is written out (no fused kernel) so the
+    tensors autograd keeps are the ones Korthikanti et al. (2022, section 4) count:
+    `memory.activation_bytes_per_layer`. TinyGPT uses PyTorch's fused attention instead,
+    which keeps no s x s matrix."""
+
+    def __init__(self, hidden: int, heads: int, dropout: float = 0.1) -> None:
+        super().__init__()
+        if hidden % heads:
+            raise ValueError(f"hidden={hidden} must be a multiple of heads={heads}")
+        self.heads, self.dropout = heads, dropout
+        self.ln1, self.ln2 = nn.LayerNorm(hidden), nn.LayerNorm(hidden)
+        self.qkv, self.proj = nn.Linear(hidden, 3 * hidden), nn.Linear(hidden, hidden)
+        self.fc1, self.fc2 = nn.Linear(hidden, 4 * hidden), nn.Linear(4 * hidden, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        a, d = self.heads, h // self.heads
+        q, k, v = self.qkv(self.ln1(x)).chunk(3, dim=-1)
+        q, k, v = (t.reshape(s, b, a, d).permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
+        scores = (q @ k.transpose(-2, -1)) * d**-0.5
+        attn = F.dropout(scores.softmax(-1), self.dropout, self.training)
+        context = (attn @ v).permute(2, 0, 1, 3).reshape(s, b, h)
+        x = x + F.dropout(self.proj(context), self.dropout, self.training)
+        mlp = self.fc2(F.gelu(self.fc1(self.ln2(x))))
+        return x + F.dropout(mlp, self.dropout, self.training)
 
 
 class SometimesMLP(nn.Module):

@@ -43,7 +43,10 @@ def build(args) -> torch.nn.Module:
     model = model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
-            p.uniform_(-0.01, 0.01)  # finite values: what the stages compute stays finite
+            # finite values so what the stages compute stays finite; a constant 1/fan-in
+            # keeps every layer's output the size of its input and fills 400 MB 15x
+            # faster than random numbers would
+            p.fill_(1.0 / p.shape[-1])
     return model
 
 
