@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from zero_lab.formatting import readable_number
 from zero_lab.paths import figures_dir
 
 
@@ -34,13 +35,13 @@ def memory_stage_bars(rows, gpu_bytes=None, ax=None, unit=2**30, unit_name="GiB"
     """Stacked bar per ZeRO stage: params / grads / optimizer (/ activations) per rank.
 
     `rows` is a list of dicts with "stage" and any of the STATE_COLORS keys (bytes), e.g.
-    from `zero_lab.memory.model_state_bytes`. A dashed line marks `gpu_bytes` if given.
-    Returns the figure.
+    from `zero_lab.memory.model_state_bytes`; a dashed line marks `gpu_bytes` if given. The
+    legend sits outside the axes, where it covers no bar or total. Returns the figure.
     """
     import matplotlib.pyplot as plt
 
     if ax is None:
-        fig, ax = plt.subplots(figsize=(6.4, 3.6))
+        fig, ax = plt.subplots(figsize=(7.4, 3.6))
     else:
         fig = ax.figure
     labels = [str(row.get("label", f"stage {row['stage']}")) for row in rows]
@@ -52,15 +53,21 @@ def memory_stage_bars(rows, gpu_bytes=None, ax=None, unit=2**30, unit_name="GiB"
         ax.bar(labels, values, bottom=bottoms, color=color, label=key)
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     for x, top in enumerate(bottoms):
-        ax.annotate(f"{top:.3g}", (x, top), ha="center", va="bottom", fontsize=8)
+        ax.annotate(readable_number(top), (x, top), ha="center", va="bottom", fontsize=8,
+                    xytext=(0, 2), textcoords="offset points")
     if gpu_bytes is not None:
-        ax.axhline(gpu_bytes / unit, color="black", linestyle="--", linewidth=1)
-        ax.annotate(f"GPU {gpu_bytes / unit:.3g} {unit_name}", (len(rows) - 0.5, gpu_bytes / unit),
-                    ha="right", va="bottom", fontsize=8)
+        ax.axhline(gpu_bytes / unit, color="black", linestyle="--", linewidth=1,
+                   label=f"GPU: {gpu_bytes / unit:g} {unit_name}")
+    ax.set_ylim(0, max(bottoms + [(gpu_bytes or 0) / unit]) * 1.15 or 1)  # room for totals
     ax.set_ylabel(f"{unit_name} per rank")
     if title:
         ax.set_title(title, fontsize=10)
-    ax.legend(fontsize=8, loc="upper right")
+    handles, names = ax.get_legend_handles_labels()
+    bars = [i for i, name in enumerate(names) if not name.startswith("GPU")][::-1]  # top first
+    order = bars + [i for i in range(len(names)) if i not in bars]  # then the GPU line
+    ax.legend([handles[i] for i in order], [names[i] for i in order], fontsize=8,
+              loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
+    fig.tight_layout()
     return fig
 
 
@@ -257,14 +264,14 @@ def ownership_figure(sizes, names, world_size: int, stage: int, title: str | Non
     shard = -(-total // n)
     padded = shard * n
     states = ("params", "grads", "optimizer")
-    fig, ax = plt.subplots(figsize=(10, 1.2 + 0.75 * n))
+    fig, ax = plt.subplots(figsize=(10, 1.4 + 0.95 * n))  # rows tall enough for 9 pt labels
     y = 0.0
     offset = 0
     for i, (size, name) in enumerate(zip(sizes, names, strict=True)):
         ax.broken_barh([(offset, size)], (y, 0.8), facecolor="#D9D9D9" if i % 2 else "#A6A6A6",
                        edgecolor="white")
         if size > padded * 0.06:
-            ax.text(offset + size / 2, y + 0.4, name, ha="center", va="center", fontsize=7.5)
+            ax.text(offset + size / 2, y + 0.4, name, ha="center", va="center", fontsize=8.5)
         offset += size
     if padded > total:
         ax.broken_barh([(total, padded - total)], (y, 0.8), facecolor="white",
@@ -281,7 +288,7 @@ def ownership_figure(sizes, names, world_size: int, stage: int, title: str | Non
     for r in range(n):
         ax.text((r + 0.5) * shard, 1.05, f"rank {r} owns [{r * shard:,}, {(r + 1) * shard:,})",
                 ha="center", va="bottom", fontsize=8)
-    ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=7.5)
+    ax.set_yticks([p for p, _ in labels], [t for _, t in labels], fontsize=9)
     ax.set_xlim(0, padded)
     ax.set_xlabel(f"element of the flat buffer (Ψ = {total:,}, padded to N·S = {padded:,})")
     ax.set_title(title or f"ZeRO stage {stage}, N = {n}: what each rank keeps", fontsize=10,

@@ -1,15 +1,25 @@
 """Interactive memory calculator for the notebooks (ipywidgets + matplotlib).
 
 The arithmetic lives in plain functions (`calculator_state`, `verdict_lines`) so tests
-run it without a browser; `memory_calculator()` only wires sliders to them and draws
-`zero_lab.plots.memory_stage_bars`.
+run it without a browser; `memory_calculator()` only wires the controls to them and draws
+`zero_lab.plots.memory_stage_bars` into an image. tests/test_browser.py checks the widget in
+a real page through the CSS classes it sets (zero-lab-params, zero-lab-world-size,
+zero-lab-chart, zero-lab-verdict).
 """
 
 from __future__ import annotations
 
+import html
+import io
+
 from zero_lab import memory
+from zero_lab.formatting import model_size
 
 GiB = memory.GiB
+# Published model sizes (GPT-2/3, Llama, the ZeRO paper's 7.5B) from 125M to 1T: a slider
+# over named sizes reads "70B", where a log slider would read and snap to 7.08e+10.
+MODEL_SIZES = (125e6, 350e6, 760e6, 1.3e9, 2.7e9, 7e9, 7.5e9, 13e9, 30e9, 70e9, 175e9,
+               405e9, 1e12)
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
 
@@ -73,28 +83,31 @@ def calculator_state(
     }
 
 
-def _count(n: float) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6)):
-        if n >= scale:
-            return f"{n / scale:.3g}{unit}"
-    return f"{n:.0f}"
-
-
 def verdict_lines(state: dict) -> list[str]:
-    """Human-readable verdict for the selected stage, then the largest model per stage."""
+    """Human-readable verdict: every stage's per-rank total and whether it fits, the
+    selected stage's split into model states and activations, the GPT shape assumed for
+    activations, and the largest model per stage."""
     row, gpu = state["selected"], state["gpu_bytes"]
     shape = state["shape"]
-    word = "fits" if row["fits"] else "does NOT fit"
-    lines = [
-        f"stage {row['stage']}: {row['total'] / GiB:.2f} GiB per rank "
-        f"(model states {(row['total'] - row['activations']) / GiB:.2f} + activations "
-        f"{row['activations'] / GiB:.2f}) -> {word} in {gpu / GiB:.0f} GiB",
+    lines = [f"stage {r['stage']}: {r['total'] / GiB:.2f} GiB per rank -> "
+             f"{'fits' if r['fits'] else 'does NOT fit'}" for r in state["rows"]]
+    lines += [
+        f"selected stage {row['stage']}: model states "
+        f"{(row['total'] - row['activations']) / GiB:.2f} GiB + activations "
+        f"{row['activations'] / GiB:.2f} GiB "
+        f"-> {'fits' if row['fits'] else 'does NOT fit'} in {gpu / GiB:.0f} GiB",
         f"activations assume a GPT shape of {shape['n_layers']} layers x hidden "
         f"{shape['hidden']} ({shape['heads']} heads)",
         "largest model whose model states fit (activations excluded, as in the paper): "
-        + ", ".join(f"stage {s}: {_count(n)}" for s, n in state["largest"].items()),
+        + ", ".join(f"stage {s}: {model_size(n)}" for s, n in state["largest"].items()),
     ]
     return lines
+
+
+def _with(options: tuple, value) -> list:
+    """`options` plus `value`, sorted: a default the list lacks is added, never snapped to a
+    neighbour (a snapped value would be sent back by the browser and redraw the widget)."""
+    return sorted(set(options) | {value})
 
 
 def memory_calculator(
@@ -104,56 +117,77 @@ def memory_calculator(
     precision: str = "mixed",
     optimizer: str = "adam",
     gpu_gib: float = 80.0,
+    seq_len: int = 2048,
+    micro_batch: int = 1,
+    checkpointing: str = "full",
 ):
     """Build the interactive calculator: an ipywidgets.VBox (display it as a cell's result).
 
     The box's `.controls` dict maps argument names of `calculator_state` to their widgets.
+    The chart is an `Image` widget holding a PNG and the verdict an `HTML` widget, both
+    replaced whole on every change: the page always shows one complete chart (an `Output`
+    widget cleared and redrawn could show a blank one while two updates raced).
     """
     import ipywidgets as w
-    import matplotlib.pyplot as plt
-    from IPython.display import display
-
-    from zero_lab.plots import memory_stage_bars
 
     style = {"description_width": "130px"}
     layout = w.Layout(width="480px")
     controls = {
-        "n_params": w.FloatLogSlider(value=n_params, base=10, min=8, max=12, step=0.05,
-                                     description="parameters Ψ", readout_format=".3g",
-                                     style=style, layout=layout),
-        "world_size": w.SelectionSlider(options=WORLD_SIZES, value=world_size,
+        "n_params": w.SelectionSlider(
+            options=[(model_size(n), n) for n in _with(MODEL_SIZES, n_params)], value=n_params,
+            description="parameters Ψ", style=style, layout=layout),
+        "world_size": w.SelectionSlider(options=_with(WORLD_SIZES, world_size), value=world_size,
                                         description="world size N_d", style=style,
                                         layout=layout),
         "stage": w.ToggleButtons(options=list(memory.STAGES), value=stage, description="stage",
-                                 style=style),
+                                 style={**style, "button_width": "48px"}),
         "precision": w.Dropdown(options=memory.PRECISIONS, value=precision,
                                 description="precision", style=style),
         "optimizer": w.Dropdown(options=memory.OPTIMIZERS, value=optimizer,
                                 description="optimizer", style=style),
         "gpu_gib": w.FloatSlider(value=gpu_gib, min=8, max=192, step=8,
                                  description="GPU memory (GiB)", style=style, layout=layout),
-        "seq_len": w.SelectionSlider(options=SEQ_LENS, value=2048, description="sequence length",
-                                     style=style, layout=layout),
-        "micro_batch": w.IntSlider(value=1, min=1, max=32, description="micro-batch",
+        "seq_len": w.SelectionSlider(options=_with(SEQ_LENS, seq_len), value=seq_len,
+                                     description="sequence length", style=style, layout=layout),
+        "micro_batch": w.IntSlider(value=micro_batch, min=1, max=32, description="micro-batch",
                                    style=style, layout=layout),
-        "checkpointing": w.Dropdown(options=memory.CHECKPOINTING, value="full",
+        "checkpointing": w.Dropdown(options=memory.CHECKPOINTING, value=checkpointing,
                                     description="activation ckpt", style=style),
     }
-    out = w.Output()
+    controls["n_params"].add_class("zero-lab-params")
+    controls["world_size"].add_class("zero-lab-world-size")
+    chart = w.Image(format="png", layout=w.Layout(width="740px"))
+    chart.add_class("zero-lab-chart")
+    verdict = w.HTML()
+    verdict.add_class("zero-lab-verdict")
 
-    def update(**values):
+    def update(_change=None):
+        values = {name: control.value for name, control in controls.items()}
         state = calculator_state(**values)
-        with out:
-            out.clear_output(wait=True)
-            fig = memory_stage_bars(state["rows"], state["gpu_bytes"],
-                                    title=f"Ψ = {_count(values['n_params'])}, "
-                                    f"N_d = {values['world_size']}")
-            display(fig)
-            plt.close(fig)
-            print("\n".join(verdict_lines(state)))
+        chart.value = chart_png(state, values)
+        verdict.value = "<pre>" + html.escape("\n".join(verdict_lines(state))) + "</pre>"
 
-    w.interactive_output(update, controls)
+    for control in controls.values():
+        control.observe(update, names="value")
+    update()  # drawn before the box is shown: the first render is complete
     box = w.VBox([w.HBox([w.VBox(list(controls.values())[:6]),
-                          w.VBox(list(controls.values())[6:])]), out])
-    box.controls = controls
+                          w.VBox(list(controls.values())[6:])]), chart, verdict])
+    box.controls, box.chart, box.verdict = controls, chart, verdict
     return box
+
+
+def chart_png(state: dict, values: dict) -> bytes:
+    """The calculator's bar chart for `state` as PNG bytes."""
+    import matplotlib.pyplot as plt
+
+    from zero_lab.plots import memory_stage_bars
+
+    fig = memory_stage_bars(
+        state["rows"], state["gpu_bytes"],
+        title=f"Ψ = {model_size(values['n_params'])}, N_d = {values['world_size']}, "
+        f"sequence {values['seq_len']} x micro-batch {values['micro_batch']}, "
+        f"checkpointing: {values['checkpointing']}")
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
+    plt.close(fig)
+    return buffer.getvalue()
