@@ -73,12 +73,8 @@ def memory_stage_bars(rows, gpu_bytes=None, ax=None, unit=2**30, unit_name="GiB"
 
 # ---- notebook 02: collectives ------------------------------------------------------
 
-OP_COLORS = {
-    "all_reduce": "#4C72B0",
-    "reduce_scatter": "#DD8452",
-    "all_gather": "#55A868",
-    "broadcast": "#8172B3",
-}
+OP_COLORS = {"all_reduce": "#4C72B0", "reduce_scatter": "#DD8452", "all_gather": "#55A868",
+             "broadcast": "#8172B3"}
 
 
 def _ring_states(world_size: int):
@@ -332,28 +328,26 @@ def predicted_vs_measured_bars(rows, unit=2**20, unit_name="MiB", title=None):
 def peak_vs_held_figure(sweep, references, unit=2**20, unit_name="MiB", title=None):
     """Stage 2's peak and held bytes against bucket size (`sweep`: dicts with "bucket_mb",
     "peak", "held"), with other runs' peaks as horizontal lines (`references`: label ->
-    bytes)."""
+    bytes), named in a legend outside the axes: they lie too close together for labels."""
     import matplotlib.pyplot as plt
 
     sweep = sorted(sweep, key=lambda p: p["bucket_mb"])
     x = [p["bucket_mb"] for p in sweep]
-    fig, ax = plt.subplots(figsize=(7, 3.8))
+    fig, ax = plt.subplots(figsize=(8.5, 3.8))
     ax.plot(x, [p["peak"] / unit for p in sweep], "o-", color="#C44E52",
             label="stage 2: peak during the step")
     ax.plot(x, [p["held"] / unit for p in sweep], "s--", color="#4C72B0",
             label="stage 2: held after backward")
     styles = ["-.", ":", "--", "-"]
     for (label, value), style in zip(references.items(), styles * 3, strict=False):
-        ax.axhline(value / unit, color="black", linestyle=style, linewidth=1)
-        ax.annotate(label, (x[0], value / unit), xytext=(2, 2), textcoords="offset points",
-                    fontsize=7.5)
+        ax.axhline(value / unit, color="black", linestyle=style, linewidth=1, label=label)
     ax.set_xscale("log", base=2)
     ax.set_xticks(x, [f"{b:g}" for b in x])
     ax.set_xlabel("bucket size (MB)")
-    ax.set_ylim(bottom=0)
+    ax.set_ylim(0, ax.get_ylim()[1] * 1.05)
     ax.set_ylabel(f"{unit_name}, rank 0")
     ax.set_title(title or "peak vs held memory across bucket sizes", fontsize=10)
-    ax.legend(fontsize=7.5, loc="center right")
+    ax.legend(fontsize=7.5, loc="upper left", bbox_to_anchor=(1.01, 1.0), frameon=False)
     fig.tight_layout()
     return fig
 
@@ -382,19 +376,22 @@ def lifecycle_timeline_figure(runs: dict, unit=2**10, unit_name="KiB", title=Non
         gathers = [(i, text.split()[-1]) for i, text in run["marks"] if " gather " in text]
         for i, name in gathers:
             ax.axvline(i, color=STATE_COLORS["params"], lw=0.6, alpha=0.5)
-            if not named:
-                ax.annotate(name, (i, 1.0), xycoords=("data", "axes fraction"), fontsize=6,
-                            rotation=90, va="top", ha="right", color=STATE_COLORS["params"])
+            if not named:  # above the panel, where no curve or legend covers it
+                ax.annotate(f"u{name}", (i, 1.0), xycoords=("data", "axes fraction"),
+                            xytext=(0, 2), textcoords="offset points", fontsize=7.5,
+                            ha="center", va="bottom", color=STATE_COLORS["params"])
         named = named or bool(gathers)
         ax.plot(range(len(samples)), samples, color="#333333", lw=1.2, label="alive")
         ax.axhline(run["held"]["total"] / unit, ls="--", color=STATE_COLORS["optimizer"],
                    lw=1, label="model states held after backward")
-        ax.set_title(label, fontsize=10, loc="left")
+        ax.set_title(label, fontsize=10, loc="left", pad=12)
         ax.set_ylabel(f"{unit_name} alive")
         ax.set_xlim(0, len(samples) - 1)
-    axes[0, 0].legend(loc="upper right", fontsize=7, ncol=3)
-    axes[-1, 0].set_xlabel("ops of one training step (forward, backward, optimizer step)")
+    fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8,
+               frameon=False)
+    axes[-1, 0].set_xlabel("ops of one training step (forward, backward, optimizer step); "
+                           "u<k>: unit k gathered")
     if title:
         fig.suptitle(title)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0.03, 1, 1))  # leave the bottom strip to the legend
     return fig
