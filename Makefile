@@ -25,8 +25,9 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
 	touch $@
 
+# Jupyter refuses to start as root without --allow-root; GPU containers often run as root.
 lab: setup ## open the notebooks in JupyterLab (kernel from .venv)
-	$(VENV)/bin/jupyter lab notebooks/
+	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
 run: setup ## execute every notebook in order with papermill into runs/executed/
 	$(PY) -m zero_lab.course run $(COURSE_ARGS)
@@ -37,6 +38,7 @@ figures: setup ## run, then copy the figures the notebooks saved into figures/
 # pytest exits 5 when it collects nothing; that is not a failure of the code under test.
 test: setup ## ruff, pytest on tests/, nbval on every notebook (CPU)
 	$(VENV)/bin/ruff check zero_lab tests
+	@sh tests/browser/ensure_chromium.sh
 	$(PY) -m pytest tests || [ $$? -eq 5 ]
 	$(PY) -m pytest --nbval-lax -p no:cacheprovider notebooks/ || [ $$? -eq 5 ]
 

@@ -46,7 +46,8 @@ def test_verdict_lines_say_fit_or_not_for_every_stage():
     assert lines[4].startswith("selected stage 3:") and lines[4].endswith("-> fits in 80 GiB")
     too_big = widgets.verdict_lines(widgets.calculator_state(1e12, 8, 0, "fp32", "adam", 80))
     assert too_big[0].endswith("-> does NOT fit") and "does NOT fit" in too_big[4]
-    assert "stage 0: 5.37B" in too_big[6]  # 80 GiB / 16 bytes
+    assert "stage 0: 5.37B" in too_big[7]  # 80 GiB / 16 bytes
+    assert max(map(len, lines)) <= 100  # no line wraps in the widget's box or a cell
     assert f"{memory.largest_model(80 * GiB, 8, 0) / 1e9:.3g}B" == "5.37B"
 
 

@@ -54,7 +54,8 @@ def memory_stage_bars(rows, gpu_bytes=None, ax=None, unit=2**30, unit_name="GiB"
         bottoms = [b + v for b, v in zip(bottoms, values, strict=True)]
     for x, top in enumerate(bottoms):
         ax.annotate(readable_number(top), (x, top), ha="center", va="bottom", fontsize=8,
-                    xytext=(0, 2), textcoords="offset points")
+                    xytext=(0, 2), textcoords="offset points",  # readable over the GPU line:
+                    bbox={"facecolor": "white", "edgecolor": "none", "pad": 0.5})
     if gpu_bytes is not None:
         ax.axhline(gpu_bytes / unit, color="black", linestyle="--", linewidth=1,
                    label=f"GPU: {gpu_bytes / unit:g} {unit_name}")

@@ -98,8 +98,8 @@ def verdict_lines(state: dict) -> list[str]:
         f"-> {'fits' if row['fits'] else 'does NOT fit'} in {gpu / GiB:.0f} GiB",
         f"activations assume a GPT shape of {shape['n_layers']} layers x hidden "
         f"{shape['hidden']} ({shape['heads']} heads)",
-        "largest model whose model states fit (activations excluded, as in the paper): "
-        + ", ".join(f"stage {s}: {model_size(n)}" for s, n in state["largest"].items()),
+        "largest model whose model states fit (activations excluded, as in the paper):",
+        "  " + ", ".join(f"stage {s}: {model_size(n)}" for s, n in state["largest"].items()),
     ]
     return lines
 
@@ -140,7 +140,7 @@ def memory_calculator(
                                         description="world size N_d", style=style,
                                         layout=layout),
         "stage": w.ToggleButtons(options=list(memory.STAGES), value=stage, description="stage",
-                                 style={**style, "button_width": "48px"}),
+                                 style={**style, "button_width": "48px"}, layout=layout),
         "precision": w.Dropdown(options=memory.PRECISIONS, value=precision,
                                 description="precision", style=style),
         "optimizer": w.Dropdown(options=memory.OPTIMIZERS, value=optimizer,

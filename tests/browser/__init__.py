@@ -1,0 +1,1 @@
+"""Helpers of tests/test_browser.py: the JupyterLab server, the page, the calculator widget."""
