@@ -112,6 +112,26 @@ def test_failure_names_case_expected_got_and_hint():
     assert info.value.__suppress_context__  # no chained traceback from the learner's error
 
 
+def test_a_float_failure_shows_how_far_off_it_is():
+    # 1.5309961083596662 vs 1.5309961082825843 look alike; the difference says they are not.
+    with pytest.raises(ExerciseFailed) as info:
+        grading.run_cases("check_x", lambda x: x * (1 + 4e-6), [Case(args=(1.5,), expected=1.5)])
+    assert "difference: 6e-06 (relative 4e-06)" in str(info.value)
+    with pytest.raises(ExerciseFailed) as info:  # ints compare exactly: nothing to add
+        grading.run_cases("check_x", lambda x: x + 1, [Case(args=(1,), expected=1)])
+    assert "difference" not in str(info.value)
+
+
+def test_largest_difference_of_numbers_and_lists():
+    from zero_lab.grading.framework import describe_difference, largest_difference
+
+    assert largest_difference([1.0, -2.0, 4.0], [1.0, -2.5, 4.0]) == (0.5, 0.25)
+    assert largest_difference(2.0, 2.0) == (0.0, 0.0)
+    assert largest_difference([1.0], [1.0, 2.0]) is None  # not comparable element-wise
+    assert largest_difference("a", "b") is None
+    assert describe_difference([0.2, 0.3], [0.1, 0.3]) == "0.1 (relative 0.5)"
+
+
 def test_known_mistake_gets_its_own_explanation():
     with pytest.raises(ExerciseFailed, match="you added"):
         grading.run_cases("check_double", lambda x: x + x + 1, [Case(args=(3,), expected=6)],

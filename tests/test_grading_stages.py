@@ -10,6 +10,8 @@ public check end to end; stubs are recognised before any launch.
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -102,9 +104,15 @@ def test_sharded_step_rejects_the_stub():
         grading.check_sharded_step(sharded_step_stub)
 
 
-def test_sharded_step_rejects_summed_gradients(judge):
-    with pytest.raises(ExerciseFailed, match="summed, not averaged"):
+def test_sharded_step_rejects_summed_gradients_where_the_difference_shows(judge):
+    with pytest.raises(ExerciseFailed, match="summed, not averaged") as err:
         judge("sharded_step", sharded_step_summed)
+    # Adam divides by the gradient's size, so a sum moves it by ~1e-10 only: the message must
+    # show the case where summing is visible (SGD), and say by how much the values differ.
+    text = str(err.value)
+    assert "sgd_momentum" in text, text
+    relative = float(re.search(r"largest difference [^(]*\(relative ([0-9.e+-]+)\)", text)[1])
+    assert relative > 0.01, text
 
 
 def test_sharded_step_rejects_all_reduce_then_slice(judge):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
@@ -14,6 +15,16 @@ import pytest
 from zero_lab.launch import LaunchError, LaunchTimeout, report, torchrun
 
 PROBE = Path(__file__).parent / "workers" / "probe.py"
+
+
+@pytest.fixture(autouse=True)
+def temp_dir(tmp_path, monkeypatch):
+    """The system temp dir, made empty and private: for this process (where launches keep
+    their run folders) and for the processes it starts (torchrun's agent, the ranks). The
+    failed launches of these tests keep their logs there, in pytest's own temp dir."""
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setenv("TMPDIR", str(tmp_path))
+    return tmp_path
 
 
 def _processes_with(marker: str) -> list[str]:
@@ -46,10 +57,24 @@ def test_every_rank_reports_and_rank0_streams(nproc, capsys):
     assert result.wall_time > 0
     out = capsys.readouterr().out
     assert out.splitlines() == [f"[rank0] line {i} from rank 0" for i in range(3)]
-    for r in range(nproc):  # every rank's own output is kept in its log file
-        assert (result.run_dir / f"rank{r}.out").read_text().splitlines()[-1] == (
-            f"line 2 from rank {r}")
+    for r in range(nproc):  # every rank's own output comes back
+        assert result.stdout[r].splitlines() == [f"line {i} from rank {r}" for i in range(3)]
     assert _processes_with(marker) == []
+
+
+def test_a_successful_launch_leaves_no_folder_behind(temp_dir):
+    torchrun(PROBE, nproc=2, stream=False)
+    assert list(temp_dir.iterdir()) == []
+
+
+def test_a_failed_launch_keeps_its_logs_and_names_them(temp_dir):
+    with pytest.raises(LaunchError) as info:
+        torchrun(PROBE, nproc=2, args=["--fail-rank", "1"], stream=False)
+    run_dir = info.value.run_dir
+    assert list(temp_dir.iterdir()) == [run_dir]
+    for name in ("rank0.out", "rank0.err", "rank1.out", "rank1.err", "launcher.log"):
+        assert str(run_dir / name) in str(info.value)
+    assert "deliberate failure on rank 1" in (run_dir / "rank1.err").read_text()
 
 
 def test_caller_env_overrides_omp_threads():
@@ -69,6 +94,10 @@ def test_failing_rank_raises_with_its_traceback():
     assert str(info.value.run_dir / "rank2.err") in message
     assert info.value.rank == 2
     assert _processes_with(marker) == []
+    # In a notebook: the rank's traceback, without the frames of torchrun() around it
+    shown = "\n".join(info.value._render_traceback_())
+    assert shown == f"\x1b[31mLaunchError\x1b[0m: {message}"
+    assert "launch.py" not in shown
 
 
 def test_non_serialisable_report_is_named():
@@ -79,11 +108,12 @@ def test_non_serialisable_report_is_named():
 def test_hang_is_killed_soon_after_timeout():
     marker = uuid.uuid4().hex
     start = time.monotonic()
-    with pytest.raises(LaunchTimeout, match="ran past timeout=12s"):
+    with pytest.raises(LaunchTimeout, match="ran past timeout=12s") as info:
         torchrun(PROBE, nproc=2, args=["--hang-rank", "1"], timeout=12,
                  env={"ZERO_LAB_TEST_MARKER": marker}, stream=False)
     elapsed = time.monotonic() - start
     assert 12 <= elapsed < 12 + 6
+    assert (info.value.run_dir / "rank1.out").exists()  # the logs it names are kept
     assert _processes_with(marker) == []
 
 
@@ -92,7 +122,8 @@ def test_two_launches_at_once_do_not_collide():
 
     def launch(key):
         try:
-            results[key] = torchrun(PROBE, nproc=2, stream=False)
+            results[key] = torchrun(PROBE, nproc=2, stream=False,
+                                    env={"ZERO_LAB_TEST_MARKER": key})
         except Exception as exc:  # noqa: BLE001 - collected and asserted below
             errors.append(exc)
 
@@ -102,7 +133,8 @@ def test_two_launches_at_once_do_not_collide():
     for t in threads:
         t.join()
     assert errors == []
-    assert results["a"].run_dir != results["b"].run_dir
+    assert {key: {rep["marker"] for rep in res.ranks} for key, res in results.items()} == {
+        "a": {"a"}, "b": {"b"}}  # each launch read its own ranks' reports
     assert all(rep["sum"] == 3.0 for res in results.values() for rep in res.ranks)
 
 
@@ -148,3 +180,21 @@ def test_report_outside_a_launch_returns_the_merged_dict(monkeypatch):
     assert report({"a": 1})["a"] == 1
     with pytest.raises(TypeError, match="report\\(data\\) takes a dict, got list"):
         report([1, 2])
+
+
+def test_rank_script_magic_saves_the_cell_silently_and_runs_nothing(tmp_path, monkeypatch,
+                                                                    capsys):
+    from IPython.core.interactiveshell import InteractiveShell
+
+    monkeypatch.chdir(tmp_path)
+    shell = InteractiveShell.instance()
+    try:
+        shell.run_line_magic("load_ext", "zero_lab.launch")
+        cell = "%%rank_script workers/hello.py\nprint('hello from a rank')\n"
+        assert shell.run_cell(cell).success
+        missing_path = shell.run_cell("%%rank_script\nprint(1)\n")
+    finally:
+        InteractiveShell.clear_instance()  # leave no global shell behind for other tests
+    assert (tmp_path / "workers" / "hello.py").read_text() == "print('hello from a rank')\n"
+    assert "needs the path" in str(missing_path.error_in_exec)
+    assert capsys.readouterr().out.count("hello") == 0  # nothing printed, nothing run

@@ -7,6 +7,7 @@ record their exceptions first. The launch error must still name the rank that di
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -15,6 +16,12 @@ from zero_lab.launch import LaunchError, torchrun
 from zero_lab.launch_failures import _rank_exits, _RankExit, _silent_death
 
 DIE = Path(__file__).parent / "workers" / "launch_die.py"
+
+
+@pytest.fixture(autouse=True)
+def _temp_dir(tmp_path, monkeypatch):
+    # These launches fail on purpose and keep their logs: in pytest's temp dir, not /tmp.
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
 
 
 @pytest.mark.parametrize(

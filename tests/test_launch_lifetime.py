@@ -60,7 +60,9 @@ def _launch_pids(out: Path, launcher: subprocess.Popen, nproc: int) -> list[int]
                          ids=lambda s: s.name)
 def test_killing_the_launcher_ends_torchrun_and_every_rank(sig, tmp_path):
     launcher = subprocess.Popen([sys.executable, "-c", LAUNCHER, str(HANG), str(tmp_path)],
-                                cwd=TESTS.parent)  # its zero_lab is the one under test
+                                cwd=TESTS.parent,  # its zero_lab is the one under test
+                                # a killed launch cannot clean up: its folder goes here
+                                env={**os.environ, "TMPDIR": str(tmp_path)})
     pids: list[int] = []
     try:
         pids = _launch_pids(tmp_path, launcher, nproc=2)

@@ -3,7 +3,7 @@
 One home for each side of a launch (see zero_lab/__init__.py):
 - the *parent side* (notebook kernels, `zero_lab.grading`, the bench command, plots, the
   course runner, widgets) never imports a *rank script* (`zero_lab/workers/`, the cells a
-  notebook writes with %%writefile, tests/workers/);
+  notebook writes with %%rank_script or %%writefile, tests/workers/);
 - a rank script, and every *shared* module (all the rest of zero_lab), never imports
   parent-only code; rank scripts import shared modules only, never each other.
 Imports inside functions count: a lazy import runs on the side that calls it.
@@ -91,14 +91,15 @@ def _package_sources() -> dict[str, tuple[str, str]]:
 
 
 def _notebook_sources() -> dict[str, tuple[str, str]]:
-    """Kernel cells are parent side; %%writefile cells are the rank scripts they write."""
+    """Kernel cells are parent side; cells that write a worker script (%%rank_script, from
+    zero_lab.launch, or %%writefile) are the rank scripts they write."""
     out = {}
     for path in sorted((ROOT / "notebooks").glob("*.ipynb")):
         for i, cell in enumerate(json.loads(path.read_text())["cells"]):
             if cell["cell_type"] != "code":
                 continue
             lines = "".join(cell["source"]).splitlines()
-            writes = bool(lines) and lines[0].startswith("%%writefile")
+            writes = bool(lines) and lines[0].startswith(("%%rank_script", "%%writefile"))
             code = "\n".join(ln for ln in lines if not ln.lstrip().startswith(("%", "!")))
             out[f"{path.name} cell {i}"] = ("rank" if writes else "parent", code)
     return out
@@ -124,6 +125,13 @@ def test_the_package_keeps_the_two_sides_apart():
 
 def test_notebooks_keep_the_two_sides_apart():
     assert violations(_notebook_sources(), KNOWN) == []
+
+
+def test_cells_that_write_rank_scripts_are_rank_side():
+    # Notebook 00 writes its three worker scripts from cells (%%rank_script, or %%writefile).
+    setup = {where: s for where, (s, _) in _notebook_sources().items()
+             if where.startswith("00_setup.ipynb")}
+    assert list(setup.values()).count("rank") == 3
 
 
 def test_test_workers_import_no_parent_code():

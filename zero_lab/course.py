@@ -3,8 +3,9 @@
     python -m zero_lab.course run [--nproc 2] [--backend auto] [--device auto] [--only 03]
     python -m zero_lab.course figures      # run, then copy the saved figures into figures/
 
-Executed copies land in runs/executed/. On a failure it names the notebook and the cell,
-prints the error, and exits non-zero; the partly executed copy is kept for inspection.
+Executed copies land in runs/executed/, figures in runs/figures/; the run ends with its total
+time and those two places. On a failure it names the notebook and the cell, prints the error,
+and exits non-zero; the partly executed copy is kept for inspection.
 """
 
 from __future__ import annotations
@@ -29,6 +30,34 @@ def course_notebooks(only: str | None = None) -> list[Path]:
     return found
 
 
+def kernel_config():
+    """The kernels' settings: their channels encrypted, where this installation can.
+
+    ipykernel (7.4) warns at every start that a kernel on TCP without encryption sends code
+    and outputs in plain text. jupyter_client (8.10) can give the kernel CurveZMQ keys:
+    `transport_encryption = "auto"` does so for kernels whose spec declares support (as
+    ipykernel's does). It needs a pyzmq built with CURVE, as pyzmq's wheels are; without one
+    the kernel stays unencrypted and says so.
+    """
+    import zmq
+    from jupyter_client import KernelManager
+    from traitlets.config import Config
+
+    config = Config()
+    if zmq.has("curve") and "transport_encryption" in KernelManager.class_traits():
+        config.KernelManager.transport_encryption = "auto"
+    return config
+
+
+def summary(count: int, seconds: float, executed: Path, figures: Path) -> str:
+    """The last lines of a run: its total time and where its results are."""
+    minutes, rest = divmod(round(seconds), 60)
+    took = f"{minutes} min {rest} s" if minutes else f"{seconds:.1f} s"
+    return (f"{count} notebook{'s' if count != 1 else ''} executed in {took}\n"
+            f"executed notebooks: {executed}\n"
+            f"figures: {figures} (`make figures` copies them into {FIGURES.name}/)")
+
+
 def run(parameters: dict, only: str | None = None) -> list[Path]:
     """Execute every notebook with `parameters`; return the executed copies' paths."""
     import papermill
@@ -38,6 +67,8 @@ def run(parameters: dict, only: str | None = None) -> list[Path]:
     os.environ.setdefault("ZERO_LAB_FIGURES_DIR", str(RUN_FIGURES))
     notebooks = course_notebooks(only)
     outputs = []
+    config = kernel_config()
+    started = time.perf_counter()
     bar = tqdm(notebooks, desc="course", unit="notebook")
     for nb in bar:
         bar.set_postfix_str(nb.name)
@@ -46,7 +77,7 @@ def run(parameters: dict, only: str | None = None) -> list[Path]:
         try:
             papermill.execute_notebook(
                 str(nb), str(out), parameters=parameters, cwd=str(NOTEBOOKS),
-                kernel_name="python3", progress_bar=False, log_output=False,
+                kernel_name="python3", progress_bar=False, log_output=False, config=config,
             )
         except papermill.PapermillExecutionError as err:
             bar.close()
@@ -60,6 +91,9 @@ def run(parameters: dict, only: str | None = None) -> list[Path]:
             raise SystemExit(1) from None
         tqdm.write(f"{nb.name}: {time.perf_counter() - start:.1f} s -> {out}")
         outputs.append(out)
+    bar.close()
+    print(summary(len(outputs), time.perf_counter() - started, EXECUTED,
+                  Path(os.environ["ZERO_LAB_FIGURES_DIR"])))
     return outputs
 
 

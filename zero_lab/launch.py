@@ -6,10 +6,13 @@ cell as it is printed, and returns what every rank passed to `report()`.
 
     result = torchrun("workers/hello.py", nproc=2)
     result.ranks[1]        # the dict rank 1 reported
+    result.stdout[1]       # what rank 1 printed
 
 Each launch gets its own run folder (in the system temp dir) holding, per rank, `rank{r}.out`
 and `rank{r}.err` (that rank's stdout and stderr), `rank{r}.json` (its report) and, if it
-failed, `rank{r}.error.json` (its traceback). Errors name these files.
+failed, `rank{r}.error.json` (its traceback). A failed launch keeps its folder, and its error
+names these files; a launch that succeeded returns every rank's report and stdout, and removes
+its folder (a notebook or a test suite launches hundreds of times).
 
 No process of a launch outlives the process that called `torchrun(...)`, however that one ends
 (a timeout, an error, Ctrl-C, a kernel restart, SIGKILL): torchrun's agent dies with it and
@@ -22,6 +25,9 @@ re-exported here, so a script and a notebook import from one place):
     info = init_worker()             # process group on the launcher's backend
     report({"rank": info.rank})
 
+In a notebook, `%load_ext zero_lab.launch` adds the cell magic `%%rank_script PATH`, which saves
+the cell as the worker script PATH (like %%writefile, without its "Writing PATH" line).
+
 Why a launch failed, and which rank to blame, is worked out in `zero_lab.launch_failures`.
 """
 
@@ -31,6 +37,7 @@ import contextlib
 import json
 import os
 import queue
+import shutil
 import signal
 import subprocess
 import sys
@@ -61,14 +68,13 @@ _GRACE_SECONDS = 3.0
 
 @dataclass
 class LaunchResult:
-    """What a launch returns: per-rank reports, the backend used, and where the logs are."""
+    """What a launch returns: per-rank reports and stdout, the backend used, the time taken."""
 
     ranks: list[dict]
     backend: str
     nproc: int
     wall_time: float  # seconds, from starting torchrun to its exit (includes start-up)
-    run_dir: Path
-    logs: list[Path] = field(default_factory=list)  # rank{r}.out, in rank order
+    stdout: list[str] = field(default_factory=list)  # what each rank printed, in rank order
 
 
 # --------------------------------------------------------------------------- parent side
@@ -120,7 +126,7 @@ def torchrun(
     env: dict[str, str] | None = None,
     stream: bool = True,
 ) -> LaunchResult:
-    """Run `script` on `nproc` ranks of one machine; return every rank's report.
+    """Run `script` on `nproc` ranks of one machine; return every rank's report and stdout.
 
     Rank 0's stdout is printed line by line as it arrives, prefixed `[rank0]` (stream=False
     keeps it quiet). Raises LaunchError with the first failing rank's traceback, or
@@ -153,6 +159,8 @@ def torchrun(
         "--standalone",  # rendezvous on localhost port 0: the OS picks a free port
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
+        # torchrun's own folder (it would make one in the temp dir per launch and leave it)
+        f"--log-dir={run_dir / 'torchrun'}",
         "-m", "zero_lab.worker",  # the per-rank entry point: it runs the script
         str(script_path), *str_args,
     ]
@@ -176,7 +184,6 @@ def torchrun(
             _terminate(proc, run_dir, nproc)
     wall = time.perf_counter() - start
 
-    logs = [run_dir / f"rank{r}.out" for r in range(nproc)]
     if timed_out:
         raise LaunchTimeout(
             f"{script_path.name} on {nproc} ranks ran past timeout={timeout}s and was stopped "
@@ -187,7 +194,11 @@ def torchrun(
     if proc.returncode != 0:
         raise failure(script_path, nproc, run_dir, proc.returncode)
     ranks = [_read_report(run_dir, r) for r in range(nproc)]
-    return LaunchResult(ranks, chosen, nproc, wall, run_dir, logs)
+    stdout = [(run_dir / f"rank{r}.out").read_text(errors="replace") for r in range(nproc)]
+    # Everything a successful launch left is now in the result; a failed one (raised above)
+    # keeps its folder, which its error names.
+    shutil.rmtree(run_dir, ignore_errors=True)
+    return LaunchResult(ranks, chosen, nproc, wall, stdout)
 
 
 def _wait_streaming(proc: subprocess.Popen, run_dir: Path, timeout: float, stream: bool) -> bool:
@@ -276,3 +287,24 @@ def _read_report(run_dir: Path, rank: int) -> dict:
     if not path.exists():
         return {}
     return json.loads(path.read_text())
+
+
+# --------------------------------------------------------------------------- notebooks
+
+
+def load_ipython_extension(ipython) -> None:
+    """`%load_ext zero_lab.launch`: adds the cell magic %%rank_script (see `rank_script`)."""
+    ipython.register_magic_function(rank_script, magic_kind="cell", magic_name="rank_script")
+
+
+def rank_script(line: str, cell: str) -> None:
+    """%%rank_script PATH: save the cell as the worker script PATH (folders made); run nothing.
+
+    %%writefile does the same and prints "Writing PATH" / "Overwriting PATH" every time; the
+    cell already shows the code, and the kernel never runs a rank script: torchrun's ranks do.
+    """
+    if not line.strip():
+        raise ValueError("%%rank_script needs the path to write, e.g. %%rank_script workers/x.py")
+    path = Path(line.strip())
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(cell, encoding="utf-8")

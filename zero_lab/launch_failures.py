@@ -33,6 +33,12 @@ class LaunchError(RuntimeError):
         self.cause = cause or message.split("\n", 1)[0]
         self.tail = tail
 
+    def _render_traceback_(self) -> list[str]:
+        # IPython calls this instead of printing a traceback: the frames inside torchrun()
+        # say nothing about the learner's script, and the message already holds the failing
+        # rank's own traceback and where its logs are.
+        return [f"\x1b[31m{type(self).__name__}\x1b[0m: {self}"]
+
 
 class LaunchTimeout(LaunchError):
     """A launch ran past its timeout (a hang, often a collective some rank never joined)."""

@@ -117,6 +117,29 @@ def _same_tensor(expected: Any, got: Any, rel: float) -> bool:
         return False
 
 
+def largest_difference(expected: Any, got: Any) -> tuple[float, float] | None:
+    """(absolute, relative) largest difference between two numbers or two equal-length lists of
+    numbers, or None when they are not that. Relative is to |expected| (where it is not 0)."""
+    def numbers(x: Any) -> list[float] | None:
+        items = x if isinstance(x, (list, tuple)) else [x]
+        if not all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in items):
+            return None
+        return [float(v) for v in items]
+
+    want, have = numbers(expected), numbers(got)
+    if not want or have is None or len(want) != len(have):
+        return None
+    gaps = [abs(w - h) for w, h in zip(want, have, strict=True)]
+    relative = [g / abs(w) for g, w in zip(gaps, want, strict=True) if w != 0]
+    return max(gaps), max(relative, default=math.inf if max(gaps) else 0.0)
+
+
+def describe_difference(expected: Any, got: Any) -> str:
+    """'0.12 (relative 0.2)', so that 1.53099610836 vs 1.53099610828 reads as what it is."""
+    gap = largest_difference(expected, got)
+    return "" if gap is None else f"{gap[0]:.2g} (relative {gap[1]:.2g})"
+
+
 def fail(name: str, message: str, hint: str = "") -> None:
     """Stop the check with a learner-facing message (raises ExerciseFailed, no chained cause)."""
     text = f"{name}: {message}"
@@ -163,5 +186,9 @@ def run_cases(
             except Exception:  # a mistake model that does not apply to this case
                 continue
         diagnosis = "\n  or: ".join(known) if known else case.hint
-        fail(name, f"{where}\n  expected: {case.expected!r}\n  got:      {got!r}", diagnosis)
+        detail = f"{where}\n  expected: {case.expected!r}\n  got:      {got!r}"
+        if isinstance(case.expected, float) or isinstance(got, float):
+            gap = describe_difference(case.expected, got)
+            detail += f"\n  difference: {gap}" if gap else ""
+        fail(name, detail, diagnosis)
     passed(name, f"{len(cases)}/{len(cases)} hidden cases pass")

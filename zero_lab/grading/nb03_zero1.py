@@ -10,7 +10,13 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from zero_lab.grading.framework import NOT_IMPLEMENTED_HINT, fail, passed
+from zero_lab.grading.framework import (
+    NOT_IMPLEMENTED_HINT,
+    describe_difference,
+    fail,
+    largest_difference,
+    passed,
+)
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
 
 
@@ -95,50 +101,63 @@ def check_sharded_step(fn: Callable) -> None:
 def judge_sharded_step(name: str, reports: list[dict]) -> None:
     """The verdict on every rank's steps: one process's values, then 2Ψ sent, no more."""
     n = reports[0]["world_size"]
-    for rank, report in enumerate(reports):
-        for record in report["results"]:
-            where = f"case {record['case']} ({record['label']}), step {record['step']}, rank {rank}"
-            padded_bytes = record["padded"] * 8
-            if record["unchanged"]:
-                fail(name, f"{where}: flat_param did not change",
-                     "after optimizer.step() has updated shard_param, all-gather every "
-                     "rank's updated slice into flat_param (dist.all_gather_single)")
-            if not record["match"]:
-                detail = (f"{where}: flat_param differs from one process stepping on the "
-                          f"average gradient\n  expected (first values): {record['expected']}"
-                          f"\n  got:                     {record['got']}")
-                if record["match_if_summed"]:
-                    hint = ("the gradients were summed, not averaged: reduce with "
-                            "op=dist.ReduceOp.AVG (or divide by the world size)")
-                elif record["own_slice_match"]:
-                    hint = ("this rank's own slice is right but the others are stale: "
-                            "all-gather the updated slices into flat_param")
-                else:
-                    hint = ("reduce-scatter flat_grad (averaging) into shard_param.grad, "
-                            "call optimizer.step(), then all-gather shard_param into flat_param")
-                fail(name, detail, hint)
-            ops = [c["op"] for c in record["comm"]]
-            sizes = [c["nbytes"] for c in record["comm"]]
-            if "all_reduce" in ops:
-                fail(name, f"{where}: the values are right, but you sent "
-                           f"{comm_summary(record['comm'])}",
-                     "an all-reduce of the full gradient (2Ψ) plus the all-gather (Ψ) is "
-                     "3Ψ per step; a reduce-scatter gives each rank just its averaged slice "
-                     "for Ψ, so stage 1 costs 2Ψ, the same as plain data parallelism")
-            if ops.count("broadcast") > 1:
-                fail(name, f"{where}: the values are right, but you sent "
-                           f"{comm_summary(record['comm'])}",
-                     "N broadcasts move the same bytes as one all-gather but pay N "
-                     "latencies and N synchronisations: use one dist.all_gather_single")
-            if sorted(ops) != ["all_gather", "reduce_scatter"] or set(sizes) != {padded_bytes}:
-                fail(name, f"{where}: expected one reduce_scatter and one all_gather of the "
-                           f"padded buffer ({padded_bytes} bytes each); got "
-                           f"{comm_summary(record['comm'])}",
-                     "reduce-scatter flat_grad itself (N·S elements) and all-gather into "
-                     "flat_param itself: no copies, no concatenation")
-            if record["state_numels"] and record["state_numels"] != [record["shard"]]:
-                fail(name, f"{where}: optimizer state tensors have {record['state_numels']} "
-                           f"elements; expected {record['shard']} (this rank's slice)",
-                     "step only shard_param")
+    records = [(rank, record) for rank, report in enumerate(reports)
+               for record in report["results"]]
+
+    def where(rank: int, record: dict) -> str:
+        return f"case {record['case']} ({record['label']}), step {record['step']}, rank {rank}"
+
+    for rank, record in records:
+        if record["unchanged"]:
+            fail(name, f"{where(rank, record)}: flat_param did not change",
+                 "after optimizer.step() has updated shard_param, all-gather every "
+                 "rank's updated slice into flat_param (dist.all_gather_single)")
+    wrong = [(rank, record) for rank, record in records if not record["match"]]
+    if wrong:
+        # Show the case where the values are furthest apart. Adam divides by the gradient's
+        # size, so a gradient N times too large (summed, not averaged) moves Adam's values
+        # by ~1e-10 only: SGD's case shows that mistake plainly.
+        rank, record = max(wrong, key=lambda w: (
+            largest_difference(w[1]["expected"], w[1]["got"]) or (0.0, 0.0))[1])
+        detail = (f"{where(rank, record)}: flat_param differs from one process stepping on "
+                  f"the average gradient\n  expected (first values): {record['expected']}"
+                  f"\n  got:                     {record['got']}"
+                  f"\n  largest difference in these values: "
+                  f"{describe_difference(record['expected'], record['got'])}")
+        if record["match_if_summed"]:
+            hint = ("the gradients were summed, not averaged: reduce with "
+                    "op=dist.ReduceOp.AVG (or divide by the world size)")
+        elif record["own_slice_match"]:
+            hint = ("this rank's own slice is right but the others are stale: "
+                    "all-gather the updated slices into flat_param")
+        else:
+            hint = ("reduce-scatter flat_grad (averaging) into shard_param.grad, "
+                    "call optimizer.step(), then all-gather shard_param into flat_param")
+        fail(name, detail, hint)
+    for rank, record in records:
+        at, padded_bytes = where(rank, record), record["padded"] * 8
+        ops = [c["op"] for c in record["comm"]]
+        sizes = [c["nbytes"] for c in record["comm"]]
+        if "all_reduce" in ops:
+            fail(name, f"{at}: the values are right, but you sent "
+                       f"{comm_summary(record['comm'])}",
+                 "an all-reduce of the full gradient (2Ψ) plus the all-gather (Ψ) is "
+                 "3Ψ per step; a reduce-scatter gives each rank just its averaged slice "
+                 "for Ψ, so stage 1 costs 2Ψ, the same as plain data parallelism")
+        if ops.count("broadcast") > 1:
+            fail(name, f"{at}: the values are right, but you sent "
+                       f"{comm_summary(record['comm'])}",
+                 "N broadcasts move the same bytes as one all-gather but pay N "
+                 "latencies and N synchronisations: use one dist.all_gather_single")
+        if sorted(ops) != ["all_gather", "reduce_scatter"] or set(sizes) != {padded_bytes}:
+            fail(name, f"{at}: expected one reduce_scatter and one all_gather of the "
+                       f"padded buffer ({padded_bytes} bytes each); got "
+                       f"{comm_summary(record['comm'])}",
+                 "reduce-scatter flat_grad itself (N·S elements) and all-gather into "
+                 "flat_param itself: no copies, no concatenation")
+        if record["state_numels"] and record["state_numels"] != [record["shard"]]:
+            fail(name, f"{at}: optimizer state tensors have {record['state_numels']} "
+                       f"elements; expected {record['shard']} (this rank's slice)",
+                 "step only shard_param")
     cases = len(reports[0]["results"])
     passed(name, f"{cases}/{cases} cases pass on {n} ranks: same values as one process, 2Ψ sent")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from zero_lab.grading.framework import fail, passed
+from zero_lab.grading.framework import describe_difference, fail, passed
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
 
 
@@ -134,6 +134,8 @@ def judge_post_backward(name: str, reports: list[dict]) -> None:
                     detail = (f"{where}: unit.grad differs from this rank's slice of the "
                               f"averaged gradient\n  expected (first values): "
                               f"{call['expected']}\n  got:                     {call['got']}")
+                    gap = describe_difference(call["expected"], call["got"])
+                    detail += f"\n  largest difference in these values: {gap}" if gap else ""
                     shard_ar = [c for c in call["comm"] if c["op"] == "all_reduce"
                                 and c["nbytes"] == r["shard_bytes"]]
                     if shard_ar:

@@ -9,20 +9,22 @@ learner's exception on any rank, or a hang, becomes an ExerciseFailed naming the
 that died (a signal, a native abort) is named with its signal and its last words on stderr.
 A launch that failed only after every rank reported every key is judged on those reports.
 The ranks report facts; each check's judge (in its notebook's module) turns them into a
-verdict and a hint.
+verdict and a hint. The verdict quotes what the learner needs, so the launch's logs are
+removed once it is given, unless it sends the learner to them.
 """
 
 from __future__ import annotations
 
 import inspect
 import json
+import shutil
 import tempfile
 import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zero_lab.grading.framework import NOT_IMPLEMENTED_HINT, fail
+from zero_lab.grading.framework import NOT_IMPLEMENTED_HINT, ExerciseFailed, fail
 from zero_lab.launch import LaunchError, LaunchTimeout, torchrun
 from zero_lab.paths import WORKERS
 
@@ -95,21 +97,42 @@ def run_on_ranks(check: str, runs: Sequence[tuple[RankExercise, Sequence[Callabl
                 fail(check, "not implemented yet", NOT_IMPLEMENTED_HINT)
     keys = [exercise_key(exercise, fns) for exercise, fns in runs]
 
-    folder = Path(tempfile.mkdtemp(prefix=f"zero_lab-{check}-"))
-    (folder / "learner.py").write_text("\n\n".join(sources.values()), encoding="utf-8")
+    # The ranks take seconds to start and run the cases: say so, or the cell looks stuck.
+    names = " and ".join(f"{fn.__name__}()" for _, fns in runs for fn in fns)
+    print(f"{check}: checking your {names} on {nproc} ranks (5-10 s)...", flush=True)
+    with tempfile.TemporaryDirectory(prefix=f"zero_lab-{check}-") as folder:
+        learner = Path(folder) / "learner.py"
+        learner.write_text("\n\n".join(sources.values()), encoding="utf-8")
+        try:
+            result = torchrun(WORKERS / scripts.pop(), nproc=nproc, timeout=timeout,
+                              backend="gloo", stream=False, args=[str(learner), *keys])
+        except LaunchError as exc:
+            reports = judge_failed_launch(check, exc, nproc, keys, timeout, hang_hint)
+        else:
+            reports = result.ranks
+    return {key: [rank_report[key] for rank_report in reports] for key in keys}
+
+
+def judge_failed_launch(check: str, exc: LaunchError, nproc: int, keys: Sequence[str],
+                        timeout: float, hang_hint: str) -> list[dict]:
+    """The reports of a launch that failed after its work was done, or the learner's verdict.
+
+    Either way the launch's logs are removed, unless the verdict sends the learner to them.
+    """
+    keep = False
     try:
-        result = torchrun(WORKERS / scripts.pop(), nproc=nproc, timeout=timeout,
-                          backend="gloo", stream=False,
-                          args=[str(folder / "learner.py"), *keys])
-    except LaunchTimeout:
-        fail(check, f"the {nproc} ranks did not finish within {timeout:.0f} s", hang_hint)
-    except LaunchError as exc:
+        if isinstance(exc, LaunchTimeout):
+            fail(check, f"the {nproc} ranks did not finish within {timeout:.0f} s", hang_hint)
         reports = complete_reports(exc.run_dir, nproc, keys)
         if reports is None:
             explain_rank_error(check, exc, nproc)  # raises ExerciseFailed
-    else:
-        reports = result.ranks
-    return {key: [rank_report[key] for rank_report in reports] for key in keys}
+        return reports
+    except ExerciseFailed as verdict:
+        keep = exc.run_dir is not None and str(exc.run_dir) in str(verdict)
+        raise
+    finally:
+        if exc.run_dir is not None and not keep:
+            shutil.rmtree(exc.run_dir, ignore_errors=True)
 
 
 def complete_reports(run_dir: Path | None, nproc: int, keys: Sequence[str]) -> list[dict] | None:
@@ -169,17 +192,21 @@ def explain_rank_error(check: str, exc: LaunchError, nproc: int) -> None:
             fail(check, f"case {record.get('case', '?')} ({record.get('label', '')}) raised"
                         f"{during} on rank {rank}: {error['type']}: {error['message']}"
                         + (f"\n{where}" if where else ""), hint)
-    text = str(exc)
-    if "NotImplementedError" in text:
+    if "NotImplementedError" in str(exc):
         fail(check, "not implemented yet", NOT_IMPLEMENTED_HINT)
     if exc.rank is not None:  # the launcher knows which rank failed first, and how
         tail = [ln for ln in exc.tail.splitlines() if ln.strip()][-6:]
         fail(check, exc.cause,
              "its last lines:\n" + "\n".join(f"    {ln}" for ln in tail) if tail
              else f"rank {exc.rank} wrote nothing to its stderr")
-    lines = [ln for ln in text.splitlines() if ln.strip()]
-    fail(check, "a rank failed: " + (lines[0] if lines else "unknown error"),
-         "\n".join(lines[-6:]))
+    # No rank recorded an error and torchrun named none that died: torchrun itself failed
+    # (a rendezvous that timed out, ...). Its last words, not the listing of every log.
+    log = Path(exc.run_dir or ".") / "launcher.log"
+    lines = log.read_text(errors="replace").splitlines() if log.exists() else []
+    said = [ln.strip() for ln in lines if ln.strip("=- \t")]  # not its rules (=====)
+    fail(check, f"the launch failed, and no rank recorded an error: {exc.cause}"
+                + (f"\n  torchrun's last words: {said[-1]}" if said else ""),
+         f"nothing points at your function; run the check again. torchrun's log: {log}")
 
 
 def comm_summary(comm: list[dict]) -> str:

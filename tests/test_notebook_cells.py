@@ -1,0 +1,65 @@
+"""What the notebooks' cells say, read from their source (nothing is run).
+
+IPython displays the value of a cell's last expression. A cell that ends with
+`save_figure(fig, ...)` shows `PosixPath('.../runs/figures/...png')` under its figure: noise a
+learner has to read past. A cell's last expression must be a call that returns None (print,
+a check, plt.show) or a value shown on purpose (the memory calculator widget).
+
+The parameters cell of a notebook that launches ranks says what to set on a GPU instance.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from pathlib import Path
+
+import pytest
+
+NOTEBOOKS = sorted((Path(__file__).resolve().parent.parent / "notebooks").glob("[0-9]*.ipynb"))
+RETURN_NONE = {"print", "show", "makedirs"}  # and every grading.check_*
+SHOWN_ON_PURPOSE = {"memory_calculator"}  # notebook 01's interactive widget
+
+
+def shown_values(path: Path) -> list[str]:
+    """'cell i: <last expression>' for each cell whose last expression shows a value."""
+    found = []
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        source = "".join(cell["source"])
+        if cell["cell_type"] != "code" or source.startswith("%%"):
+            continue  # a cell magic's body is not run by this kernel
+        code = "\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith("%"))
+        body = ast.parse(code).body
+        if not body or not isinstance(body[-1], ast.Expr):
+            continue
+        value = body[-1].value
+        func = value.func if isinstance(value, ast.Call) else None
+        name = getattr(func, "attr", getattr(func, "id", None))
+        if name in RETURN_NONE | SHOWN_ON_PURPOSE or (name or "").startswith("check_"):
+            continue
+        found.append(f"cell {i}: {ast.unparse(value)}")
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=[p.name for p in NOTEBOOKS])
+def test_no_cell_shows_a_value_nobody_meant_to_show(path):
+    assert shown_values(path) == [], "end the cell with `_ = ...` (or plt.show())"
+
+
+def test_a_cell_ending_with_save_figure_is_caught(tmp_path):
+    cells = [{"cell_type": "code", "source": ["fig = make()\n", "save_figure(fig, 'x')"]},
+             {"cell_type": "code", "source": ["_ = save_figure(fig, 'x')"]},
+             {"cell_type": "code", "source": ["print(1)\n", "grading.check_x(f)"]}]
+    path = tmp_path / "nb.ipynb"
+    path.write_text(json.dumps({"cells": cells}))
+    assert shown_values(path) == ["cell 0: save_figure(fig, 'x')"]
+
+
+LAUNCHING = [p for p in NOTEBOOKS if not p.name.startswith("01_")]  # 01: one process, CPU
+
+
+@pytest.mark.parametrize("path", LAUNCHING, ids=[p.name for p in LAUNCHING])
+def test_the_parameters_cell_says_what_to_set_on_a_gpu(path):
+    cells = json.loads(path.read_text())["cells"]
+    tagged = ["".join(c["source"]) for c in cells if "parameters" in c["metadata"].get("tags", [])]
+    assert len(tagged) == 1 and "on a gpu instance" in tagged[0].lower(), tagged
