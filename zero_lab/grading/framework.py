@@ -37,6 +37,9 @@ from typing import Any
 
 # What a learner whose function is still the student copy's stub should do.
 NOT_IMPLEMENTED_HINT = "replace the `raise NotImplementedError` line"
+# The mistake every sharded exercise can make: N ranks' gradients added, never divided by N.
+SUMMED_NOT_AVERAGED_HINT = ("the gradients were summed, not averaged: reduce with "
+                            "op=dist.ReduceOp.AVG (or divide by the world size)")
 
 
 class ExerciseFailed(AssertionError):
@@ -138,6 +141,15 @@ def describe_difference(expected: Any, got: Any) -> str:
     """'0.12 (relative 0.2)', so that 1.53099610836 vs 1.53099610828 reads as what it is."""
     gap = largest_difference(expected, got)
     return "" if gap is None else f"{gap[0]:.2g} (relative {gap[1]:.2g})"
+
+
+def first_values_differ(expected: list, got: list) -> str:
+    """The lines a rank check shows under a wrong value: the first values expected and got,
+    and the largest difference among them (so 1.53099610836 vs 1.53099610828 reads as what
+    it is)."""
+    text = f"\n  expected (first values): {expected}\n  got:                     {got}"
+    gap = describe_difference(expected, got)
+    return text + (f"\n  largest difference in these values: {gap}" if gap else "")
 
 
 def fail(name: str, message: str, hint: str = "") -> None:

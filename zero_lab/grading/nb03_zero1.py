@@ -12,8 +12,9 @@ from collections.abc import Callable
 
 from zero_lab.grading.framework import (
     NOT_IMPLEMENTED_HINT,
-    describe_difference,
+    SUMMED_NOT_AVERAGED_HINT,
     fail,
+    first_values_differ,
     largest_difference,
     passed,
 )
@@ -120,13 +121,9 @@ def judge_sharded_step(name: str, reports: list[dict]) -> None:
         rank, record = max(wrong, key=lambda w: (
             largest_difference(w[1]["expected"], w[1]["got"]) or (0.0, 0.0))[1])
         detail = (f"{where(rank, record)}: flat_param differs from one process stepping on "
-                  f"the average gradient\n  expected (first values): {record['expected']}"
-                  f"\n  got:                     {record['got']}"
-                  f"\n  largest difference in these values: "
-                  f"{describe_difference(record['expected'], record['got'])}")
+                  "the average gradient" + first_values_differ(record["expected"], record["got"]))
         if record["match_if_summed"]:
-            hint = ("the gradients were summed, not averaged: reduce with "
-                    "op=dist.ReduceOp.AVG (or divide by the world size)")
+            hint = SUMMED_NOT_AVERAGED_HINT
         elif record["own_slice_match"]:
             hint = ("this rank's own slice is right but the others are stale: "
                     "all-gather the updated slices into flat_param")

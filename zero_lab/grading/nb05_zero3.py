@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from zero_lab.grading.framework import describe_difference, fail, passed
+from zero_lab.grading.framework import SUMMED_NOT_AVERAGED_HINT, fail, first_values_differ, passed
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
 
 
@@ -132,10 +132,8 @@ def judge_post_backward(name: str, reports: list[dict]) -> None:
                 ops = [c["op"] for c in call["comm"]]
                 if not call["match"]:
                     detail = (f"{where}: unit.grad differs from this rank's slice of the "
-                              f"averaged gradient\n  expected (first values): "
-                              f"{call['expected']}\n  got:                     {call['got']}")
-                    gap = describe_difference(call["expected"], call["got"])
-                    detail += f"\n  largest difference in these values: {gap}" if gap else ""
+                              "averaged gradient"
+                              + first_values_differ(call["expected"], call["got"]))
                     shard_ar = [c for c in call["comm"] if c["op"] == "all_reduce"
                                 and c["nbytes"] == r["shard_bytes"]]
                     if shard_ar:
@@ -144,8 +142,7 @@ def judge_post_backward(name: str, reports: list[dict]) -> None:
                                 "chunk 1, slices of different parameters. A reduce-scatter "
                                 "sums chunk r of every rank and hands it to rank r")
                     elif call["match_if_summed"]:
-                        hint = ("the gradients were summed, not averaged: op=dist.ReduceOp.AVG "
-                                "(or divide by the world size)")
+                        hint = SUMMED_NOT_AVERAGED_HINT
                     elif call["match_last_only"]:
                         hint = ("unit.grad holds only this backward's gradient: ADD the new "
                                 "slice to unit.grad (gradient accumulation)")
