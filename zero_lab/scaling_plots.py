@@ -35,14 +35,15 @@ def memory_vs_world_figure(rows: list[dict], title: str, unit=2**20, unit_name="
 def projected_time_figure(curves: dict[str, dict[int, list[tuple[int, float]]]],
                           measured: dict[int, list[tuple[int, float]]] | None = None,
                           title: str = "Projected step time per stage"):
-    """One panel per link: projected step time against N for each stage (lines); with
-    `measured` ({stage: [(N, seconds)]}), this machine's measured steps as dots on the
-    panel of this machine's link (the first)."""
+    """One panel per link, two panels a row: projected step time against N for each stage
+    (lines); with `measured` ({stage: [(N, seconds)]}), this machine's measured steps as dots
+    on the panel of this machine's link (the first). Log axes, ticks as plain numbers."""
     import matplotlib.pyplot as plt
+    from matplotlib.ticker import FuncFormatter, LogLocator
 
-    fig, axes = plt.subplots(1, len(curves), figsize=(4.2 * len(curves), 3.8), sharey=False,
-                             squeeze=False)
-    for i, (ax, (link, by_stage)) in enumerate(zip(axes[0], curves.items(), strict=True)):
+    rows = -(-len(curves) // 2)
+    fig, axes = plt.subplots(rows, 2, figsize=(10, 3.6 * rows), squeeze=False)
+    for i, (ax, (link, by_stage)) in enumerate(zip(axes.flat, curves.items(), strict=False)):
         for stage, points in sorted(by_stage.items()):
             ax.plot([n for n, _ in points], [t * 1e3 for _, t in points], "-",
                     color=STAGE_COLORS[stage], label=f"stage {stage}")
@@ -52,11 +53,18 @@ def projected_time_figure(curves: dict[str, dict[int, list[tuple[int, float]]]],
                         color=STAGE_COLORS[stage])
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")  # a few ms to seconds: the measured dots stay readable
-        ax.set_title(link, fontsize=9)
+        # ticks at 1, 2, 5 x 10^k, written 20 or 0.5: a panel spanning less than a decade
+        # still gets labels, and none reads 6x10^1
+        ax.yaxis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+        ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+        ax.yaxis.set_minor_formatter(FuncFormatter(lambda v, _: ""))
+        ax.set_title(link, fontsize=10)
         ax.set_xlabel("world size N")
+        ax.set_ylabel("ms per step" + (" (dots: measured here)" if measured and i == 0 else ""))
         ax.grid(True, which="both", alpha=0.25)
-    axes[0][0].set_ylabel("ms per step (dots: measured here)")
-    axes[0][0].legend(fontsize=7)
+    for ax in list(axes.flat)[len(curves):]:
+        ax.set_visible(False)
+    axes[0][0].legend(fontsize=8)
     fig.suptitle(title)
     fig.tight_layout()
     return fig
