@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 import uuid
@@ -17,14 +16,7 @@ from zero_lab.launch import LaunchError, LaunchTimeout, report, torchrun
 PROBE = Path(__file__).parent / "workers" / "probe.py"
 
 
-@pytest.fixture(autouse=True)
-def temp_dir(tmp_path, monkeypatch):
-    """The system temp dir, made empty and private: for this process (where launches keep
-    their run folders) and for the processes it starts (torchrun's agent, the ranks). The
-    failed launches of these tests keep their logs there, in pytest's own temp dir."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    return tmp_path
+pytestmark = pytest.mark.usefixtures("temp_dir")  # tests/conftest.py
 
 
 def _processes_with(marker: str) -> list[str]:

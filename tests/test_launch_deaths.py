@@ -7,7 +7,6 @@ record their exceptions first. The launch error must still name the rank that di
 
 from __future__ import annotations
 
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -18,10 +17,8 @@ from zero_lab.launch_failures import _rank_exits, _RankExit, _silent_death
 DIE = Path(__file__).parent / "workers" / "launch_die.py"
 
 
-@pytest.fixture(autouse=True)
-def _temp_dir(tmp_path, monkeypatch):
-    # These launches fail on purpose and keep their logs: in pytest's temp dir, not /tmp.
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+# These launches fail on purpose and keep their logs: in pytest's temp dir, not /tmp.
+pytestmark = pytest.mark.usefixtures("temp_dir")  # tests/conftest.py
 
 
 @pytest.mark.parametrize(

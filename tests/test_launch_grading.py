@@ -10,7 +10,6 @@ leaves nothing in the temp dir.
 from __future__ import annotations
 
 import json
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -34,14 +33,6 @@ ABORT_AFTER = RankExercise(WORKER, "abort_after", lambda: (torch.ones(1),))
 def summed(t):
     dist.all_reduce(t)
     return t
-
-
-@pytest.fixture
-def temp_dir(tmp_path, monkeypatch):
-    """The system temp dir (the learner's code, the launch's logs, torchrun's), made private."""
-    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
-    monkeypatch.setenv("TMPDIR", str(tmp_path))
-    return tmp_path
 
 
 def test_reports_complete_before_a_crash_at_exit_are_judged(temp_dir, capsys):
