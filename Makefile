@@ -9,10 +9,14 @@ NPROC ?= 2
 BACKEND ?= auto
 DEVICE ?= auto
 ONLY ?=
+# Knobs for soak: NB (notebooks whose name starts with this; all if empty), RUNS, LOAD.
+NB ?=
+RUNS ?= 50
+LOAD ?= 2
 COURSE_ARGS := --nproc $(NPROC) --backend $(BACKEND) --device $(DEVICE) $(if $(ONLY),--only $(ONLY))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab run figures test student bench clean
+.PHONY: help setup lab run figures test soak student bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -41,6 +45,11 @@ test: setup ## ruff, pytest on tests/, nbval on every notebook (CPU)
 	@sh tests/browser/ensure_chromium.sh
 	$(PY) -m pytest tests || [ $$? -eq 5 ]
 	$(PY) -m pytest --nbval-lax -p no:cacheprovider notebooks/ || [ $$? -eq 5 ]
+
+# A check that fails on a busy machine is a defect: soak runs each notebook RUNS times under
+# nbval with LOAD CPU-bound processes beside it and prints the pass count per notebook.
+soak: setup ## run notebooks RUNS times under nbval beside LOAD busy processes (NB=06 RUNS=50 LOAD=2)
+	$(PY) -m zero_lab.soak --runs $(RUNS) --load $(LOAD) $(if $(NB),--only $(NB))
 
 student: setup ## write student copies (solutions replaced by stubs) to build/student/
 	$(PY) -m zero_lab.grading student --out build/student

@@ -1,0 +1,57 @@
+"""`make soak`: notebooks run under nbval again and again beside busy processes, passes counted."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+
+import nbformat
+import pytest
+
+from zero_lab import soak
+
+
+def _notebook(path, *cells):
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nbformat.write(nb, path)
+    return path
+
+
+def test_soak_counts_passes_names_the_failing_cell_and_leaves_no_load(tmp_path, monkeypatch,
+                                                                        capsys):
+    monkeypatch.setattr(soak, "SOAK", tmp_path / "soak")
+    good = _notebook(tmp_path / "good.ipynb", "x = 1")
+    bad = _notebook(tmp_path / "bad.ipynb", "x = 1", "assert x == 2, ('stage0', x)", "print(y)")
+    spinners, seen_load = [], []
+    real_busy, real_run_once = soak.busy_processes, soak.run_once
+
+    @contextlib.contextmanager
+    def watched_busy(count):
+        with real_busy(count) as started:
+            spinners.extend(started)
+            yield started
+
+    def watched_run_once(nb):
+        seen_load.append(sum(p.poll() is None for p in spinners))
+        return real_run_once(nb)
+
+    monkeypatch.setattr(soak, "busy_processes", watched_busy)
+    monkeypatch.setattr(soak, "run_once", watched_run_once)
+
+    assert soak.main([str(bad), str(good), "--runs", "1", "--load", "2"]) == 1
+
+    out = capsys.readouterr().out
+    assert "bad.ipynb: 0/1 passed" in out and "good.ipynb: 1/1 passed" in out
+    assert "cell 1: AssertionError: ('stage0', 1)" in out
+    assert "cell 2: NameError: name 'y' is not defined" in out
+    assert seen_load == [2, 2]                           # the load ran beside every run ...
+    assert all(p.poll() is not None for p in spinners)  # ... and is gone after the soak
+    summary = json.loads((tmp_path / "soak" / "summary.json").read_text())
+    assert [(n["notebook"], n["passed"], n["runs"]) for n in summary["notebooks"]] == \
+        [("bad.ipynb", 0, 1), ("good.ipynb", 1, 1)]
+
+
+def test_soak_refuses_nonsense_counts():
+    with pytest.raises(SystemExit):
+        soak.main(["--runs", "0"])
