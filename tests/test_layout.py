@@ -22,7 +22,7 @@ PACKAGE = ROOT / "zero_lab"
 
 PARENT_ONLY = ("zero_lab.grading", "zero_lab.bench", "zero_lab.plots", "zero_lab.trace_plots",
                "zero_lab.scaling_plots",
-               "zero_lab.course",
+               "zero_lab.course", "zero_lab.soak",
                "zero_lab.widgets")
 RANK_SIDE = "zero_lab.workers"
 

@@ -39,7 +39,7 @@ def test_make_help_lists_every_target():
     out = subprocess.run(["make", "-s", "help"], cwd=ROOT, capture_output=True, text=True,
                          check=True).stdout
     listed = re.findall(r"make (\w+)", out)
-    for target in ["setup", "lab", "run", "figures", "test", "student", "bench", "clean"]:
+    for target in ["setup", "lab", "run", "figures", "test", "soak", "student", "bench", "clean"]:
         assert target in listed
 
 
