@@ -98,21 +98,22 @@ def run(args, how: dict, batches, ref_weights, device: torch.device) -> dict:
     }
 
 
-def best_ms(fn, repeats: int = 9) -> float:
-    """Best of `repeats` calls, each timed on the slowest rank (barriers around it)."""
+def timed_ms(fn, repeats: int = 9) -> list[float]:
+    """`repeats` calls of `fn`, each timed on the slowest rank (barriers around it), in ms,
+    sorted: the first is the best, the middle the median."""
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
         fn()
         dist.barrier()
-        times.append(time.perf_counter() - start)
-    return 1e3 * min(times)
+        times.append(1e3 * (time.perf_counter() - start))
+    return sorted(times)
 
 
 def time_collectives(n_params: int, world_size: int, device: torch.device) -> dict:
     """What the backend runs for one reduce-scatter (its own profiler events), and one
-    model-sized gradient buffer reduced three ways."""
+    model-sized gradient buffer reduced three ways (every timing, for the spread)."""
     probe_out = torch.empty(1024, device=device)
     probe_in = torch.ones(1024 * world_size, device=device)
     with profile(activities=[ProfilerActivity.CPU]) as prof:
@@ -124,9 +125,9 @@ def time_collectives(n_params: int, world_size: int, device: torch.device) -> di
     mine = torch.empty(n_pad, device=device)
     summed = grads.clone()  # the all-reduce works in place
     collective_ms = {
-        "all_reduce": best_ms(lambda: dist.all_reduce(summed)),
-        "torch reduce_scatter_single": best_ms(lambda: dist.reduce_scatter_single(mine, grads)),
-        "zero_lab exchange.reduce_scatter": best_ms(lambda: exchange.reduce_scatter(mine, grads)),
+        "all_reduce": timed_ms(lambda: dist.all_reduce(summed)),
+        "torch reduce_scatter_single": timed_ms(lambda: dist.reduce_scatter_single(mine, grads)),
+        "zero_lab exchange.reduce_scatter": timed_ms(lambda: exchange.reduce_scatter(mine, grads)),
     }
     return {"reduce_scatter_runs": backend_ops, "collective_ms": collective_ms}
 
