@@ -93,7 +93,15 @@ class TinyGPT(nn.Module):
         self.blocks = nn.ModuleList(Block(d_model, n_heads, bias) for _ in range(n_layers))
         self.ln_f = nn.LayerNorm(d_model, bias=bias)
         self.head = nn.Linear(d_model, vocab_size, bias=False)
-        self.head.weight = self.tok_emb.weight  # tied
+        self.tie_weights()
+
+    def tie_weights(self) -> None:
+        """Make the head use the token embedding's weight (one Parameter, two modules).
+
+        Call it again after `to_empty()`: that gives every parameter its own storage, so a
+        model built on the meta device comes back with an untied head and Ψ grown by
+        vocab x d_model."""
+        self.head.weight = self.tok_emb.weight
 
     def forward(self, idx: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(idx.shape[1], device=idx.device)

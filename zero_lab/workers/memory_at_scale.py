@@ -40,7 +40,11 @@ def build(args) -> torch.nn.Module:
         else:
             model = TinyGPT(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width,
                             n_heads=args.heads, n_layers=args.depth, bias=False)
+    psi = count_parameters(model)  # on the meta device the head is still tied
     model = model.to_empty(device="cpu")
+    if isinstance(model, TinyGPT):
+        model.tie_weights()  # to_empty() gave the head its own storage: re-tie it
+    assert count_parameters(model) == psi, (count_parameters(model), psi)
     with torch.no_grad():
         for p in model.parameters():
             # finite values so what the stages compute stays finite; a constant 1/fan-in
