@@ -199,6 +199,7 @@ POSITIVE = [0, -1.0, NAN, INF, True, "80e9", None]  # byte budgets, safety facto
 FLAG = [0, 1, "False", None]
 RECIPE = {"precision": ["fp16", "FP32", 1, None], "optimizer": ["lamb", 1, None]}
 SHAPE = {"seq_len": COUNT, "batch": COUNT, "hidden": COUNT, "heads": COUNT}
+ATTENTION = ["flash", "Fused", True, None]
 LAYER = {"seq_len": 2048, "batch": 2, "hidden": 4096, "heads": 32}
 
 PUBLIC_API = {  # name: (a call that works, {argument: values that must be refused})
@@ -223,14 +224,14 @@ PUBLIC_API = {  # name: (a call that works, {argument: values that must be refus
     "activation_bytes_per_layer": (
         LAYER,
         {**SHAPE, "checkpointing": ["some", True, None], "tensor_parallel": INT,
-         "sequence_parallel": FLAG},
+         "sequence_parallel": FLAG, "attention": ATTENTION},
     ),
     "activation_breakdown_per_layer": (LAYER, SHAPE),
     "activation_bytes_saved_by_torch": (LAYER, {**SHAPE, "mask_bytes": COUNT}),
     "activation_bytes": (
         {"n_layers": 24, **LAYER},
         {"n_layers": COUNT, **SHAPE, "checkpointing": ["Full", 0, None],
-         "tensor_parallel": INT, "sequence_parallel": FLAG},
+         "tensor_parallel": INT, "sequence_parallel": FLAG, "attention": ATTENTION},
     ),
     "zero_paper_activation_bytes": (
         {"n_layers": 48, "seq_len": 1024, "batch": 32, "hidden": 1600},
@@ -382,6 +383,44 @@ def test_activation_variants():
     )
     with pytest.raises(ValueError, match=r"checkpointing must be one of 'none', 'selective'"):
         memory.activation_bytes_per_layer(s, b, h, a, "some")
+
+
+def test_fused_attention_keeps_no_s_squared_term():
+    # FlashAttention / torch's SDPA keep Q, K, V, their output and one fp32 log-sum-exp per
+    # head and token, and regenerate the softmax and its dropout mask in backward
+    s, b, h, a, t = 4096, 4, 4096, 32, 8
+    sbh = s * b * h
+    fused = memory.activation_bytes_per_layer(s, b, h, a, attention="fused")
+    assert fused == 34 * sbh + 4 * a * s * b
+    unfused = memory.activation_bytes_per_layer(s, b, h, a)
+    assert unfused - fused == 5 * a * s * s * b - 4 * a * s * b
+    assert memory.activation_bytes_per_layer(s, b, h, a, "selective", attention="fused") == 34 * sbh
+    assert memory.activation_bytes_per_layer(s, b, h, a, "full", attention="fused") == 2 * sbh
+    tp = memory.activation_bytes_per_layer(s, b, h, a, tensor_parallel=t, attention="fused")
+    assert tp == 10 * sbh + (24 * sbh + 4 * a * s * b) // t  # heads split: so does the lse
+    # full checkpointing: the one layer recomputed in backward is fused too
+    n = 32
+    assert memory.activation_bytes(n, s, b, h, a, "full", attention="fused") == (
+        n * 2 * sbh + 34 * sbh + 4 * a * s * b)
+    # 7B-class at 4k tokens, micro-batch 4, fully checkpointed: the s^2 term of the one
+    # recomputed layer is most of the unfused total
+    unfused = memory.activation_bytes(n, s, b, h, a, "full")
+    assert unfused / memory.activation_bytes(n, s, b, h, a, "full", attention="fused") > 2
+
+
+@pytest.mark.parametrize("s, b, h, a", [(64, 2, 64, 4), (33, 3, 48, 3)])
+def test_what_torchs_fused_attention_block_saves_is_the_fused_formula(s, b, h, a):
+    torch = pytest.importorskip("torch")
+    from zero_lab.measured import saved_activation_bytes
+    from zero_lab.workloads import Block
+
+    block = Block(h, a).to(torch.bfloat16).train()  # F.scaled_dot_product_attention, no dropout
+    x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
+    saved = saved_activation_bytes(lambda: block(x), exclude=block.parameters())
+    no_dropout_masks = 2 * s * b * h  # Korthikanti's two sbh masks; Block has no dropout
+    layernorm_stats = 2 * (2 * s * b * 2)  # a 16-bit mean and 1/std per token, two norms
+    assert saved == (memory.activation_bytes_per_layer(s, b, h, a, attention="fused")
+                     - no_dropout_masks + layernorm_stats)
 
 
 @pytest.mark.parametrize("s, b, h, a", [(64, 2, 64, 4), (33, 3, 48, 3)])

@@ -27,6 +27,7 @@ PRECISIONS = ("fp32", "mixed")
 OPTIMIZERS = ("adam", "adamw", "sgd_momentum", "sgd")
 STAGES = (0, 1, 2, 3)
 CHECKPOINTING = ("none", "selective", "full")
+ATTENTION = ("unfused", "fused")  # attention written out (the paper's count), or a fused kernel
 
 # fp32 optimizer state tensors each optimizer keeps per parameter (Adam: m and v).
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
@@ -249,6 +250,7 @@ def activation_bytes_per_layer(
     checkpointing: str = "none",
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
+    attention: str = "unfused",
 ) -> int:
     """Activation bytes one GPT-style transformer layer keeps for backward (16-bit).
 
@@ -259,17 +261,26 @@ def activation_bytes_per_layer(
     "full" keeps only the layer's 16-bit input, 2·sbh; the backward pass then
     re-materialises one layer at a time. Tensor parallelism t splits everything but the
     layer-norm and dropout terms (10·sbh); sequence parallelism splits those too.
+
+    attention="fused" is what current frameworks run (FlashAttention, torch's
+    scaled_dot_product_attention): the kernel keeps Q, K, V, its output and one fp32
+    log-sum-exp per head and token (4·a·s·b bytes), and recomputes the softmax and its
+    dropout mask in backward, so the 5·a·s²·b term becomes 4·a·s·b. The default, "unfused",
+    is the paper's count (attention written out, as `workloads.GPTLayer` does).
     """
     s, b, h, a = _dims(seq_len=seq_len, batch=batch, hidden=hidden, heads=heads)
     t = _positive_int("tensor_parallel", tensor_parallel, "number of ranks")
     checkpointing = _choice("checkpointing", checkpointing, CHECKPOINTING)
     sequence_parallel = _flag("sequence_parallel", sequence_parallel)
+    attention = _choice("attention", attention, ATTENTION)
     sbh = s * b * h
     if checkpointing == "full":
         return 2 * sbh // t if sequence_parallel else 2 * sbh
     unsplit = 10 * sbh  # layer norms + dropout masks + their inputs: replicated under TP
     split = 24 * sbh  # QKV/projections/MLP inputs: divided by t
     attention_core = 5 * a * s * s * b  # softmax, its dropout mask, and attention-over-V input
+    if attention == "fused":
+        attention_core = 4 * a * s * b  # the kernel's fp32 log-sum-exp; no s x s tensor
     if checkpointing == "selective":
         attention_core = 0
     if sequence_parallel:
@@ -321,6 +332,7 @@ def activation_bytes(
     checkpointing: str = "none",
     tensor_parallel: int = 1,
     sequence_parallel: bool = False,
+    attention: str = "unfused",
 ) -> int:
     """Activation bytes stored by `n_layers` transformer layers (see the per-layer function).
 
@@ -330,11 +342,12 @@ def activation_bytes(
     layers, *args = _dims(n_layers=n_layers, seq_len=seq_len, batch=batch, hidden=hidden,
                           heads=heads)
     per_layer = activation_bytes_per_layer(
-        *args, checkpointing, tensor_parallel, sequence_parallel
+        *args, checkpointing, tensor_parallel, sequence_parallel, attention
     )
     total = layers * per_layer
     if checkpointing == "full":
-        total += activation_bytes_per_layer(*args, "none", tensor_parallel, sequence_parallel)
+        total += activation_bytes_per_layer(*args, "none", tensor_parallel, sequence_parallel,
+                                            attention)
     return total
 
 
