@@ -60,5 +60,10 @@ class DataParallel(GradientSync):
         for step_param, grad in zip(self.step_params, self.grad_buffers, strict=True):
             step_param.grad = grad  # the averaged gradients (None since a zero_grad)
 
+    def on_backward_abandoned(self) -> None:
+        for work in self._in_flight:
+            work.wait()
+        self._in_flight.clear()
+
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero_grad_buffers(set_to_none)

@@ -14,6 +14,12 @@ tells them "this parameter's gradient is ready", "this whole group (bucket) is r
   (`Variable._execution_engine.queue_callback`, as torch's DDP does): it runs when backward
   has finished, flushes the groups whose gradients never arrived and lets the stage wait for
   its collectives in flight. So when `loss.backward()` returns, gradients are final.
+- a backward that raises (an out-of-memory error caught by an OOM-skip loop, a NaN guard)
+  never reaches that callback: the next `zero_grad()` or backward notices the callback still
+  pending, finishes the collectives that backward had started (every rank started the same
+  ones if every rank failed at the same place) and forgets its half-done bookkeeping, so
+  training goes on as in one process. (A backward that fails on one rank only leaves the
+  others waiting in a collective, as with torch's DDP.)
 
 Which parameters have a gradient at all. In one process a parameter that no backward since
 the last `zero_grad()` used keeps `.grad = None`, and the optimizer leaves it and its state
@@ -91,6 +97,7 @@ class GradientSync:
         self.handover_order: list[int] = list(range(len(groups)))
         self._handed_over = 0  # how many groups of handover_order were handed over
         self._callback_queued = False
+        self._backward_task = -1  # the autograd graph task the callback was queued on
         # Per parameter: got a gradient in this backward, on this rank; and has a gradient
         # now (since the last zero_grad, on any rank).
         self._arrived_here = [[False] * len(g.params) for g in groups]
@@ -104,9 +111,30 @@ class GradientSync:
     # ------------------------------------------------------------------ plumbing
     def queue_backward_callback(self) -> None:
         """Once per backward: ask autograd to call `_on_backward_done` when it finishes."""
+        task = torch._C._current_graph_task_id()
+        if self._callback_queued:
+            if task == self._backward_task:
+                return
+            self.abandon_unfinished_backward()  # an earlier backward raised half-way
+        self._callback_queued = True
+        self._backward_task = task
+        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_done)
+
+    def abandon_unfinished_backward(self) -> None:
+        """If a backward raised before its end-of-backward callback ran, put the stage back
+        in the state between two backwards: the collectives that backward started are
+        finished (the gradients they carry stay, as a failed backward leaves its partial
+        gradients in `.grad` in one process, until zero_grad) and the half-filled
+        bookkeeping is dropped. Called by zero_grad() and by the next backward's first hook.
+        """
         if not self._callback_queued:
-            self._callback_queued = True
-            torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_done)
+            return
+        self.on_backward_abandoned()
+        self._ready_params = [0] * len(self.groups)
+        self._handed_over = 0
+        self._arrived_here = [[False] * len(g.params) for g in self.groups]
+        self._callback_queued = False
+        self._backward_task = -1
 
     def _on_grad_accumulated(self, g: int, i: int, param: torch.Tensor) -> None:
         self.queue_backward_callback()
@@ -261,6 +289,9 @@ class GradientSync:
 
     def on_backward_end(self) -> None:
         """Backward is over: finish the communication; `step_params[i].grad` must be final."""
+
+    def on_backward_abandoned(self) -> None:
+        """A backward raised half-way: finish what it sent, drop what it half-filled."""
 
     def before_step(self) -> None:
         """The optimizer is about to update `step_params`."""

@@ -234,6 +234,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         with mark(ZERO_GRAD):
+            self.sync.abandon_unfinished_backward()  # after a backward that raised
             self.sync.zero_grad(set_to_none)
 
     @torch.no_grad()

@@ -110,6 +110,11 @@ class Zero2(GradientSync):
     def on_backward_end(self) -> None:
         self._retire(keep=0)
 
+    def on_backward_abandoned(self) -> None:
+        self._retire(keep=0)  # buckets already sent: their slices are added, as gradients
+        self._buckets = [None] * len(self.groups)  # half-filled ones: never sent
+        self._arrived = [[False] * len(g.params) for g in self.groups]
+
     def after_step(self) -> None:
         self.all_gather_params()
 

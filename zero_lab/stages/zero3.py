@@ -268,6 +268,16 @@ class Zero3(Zero2):
             self.backward_order = order
             self._next["backward"] = dict(zip(order, order[1:], strict=False))
 
+    def on_backward_abandoned(self) -> None:
+        super().on_backward_abandoned()
+        for u in range(len(self.units)):
+            self._close_span("backward", u)
+            self.release(u)  # gathered for a backward that raised
+        self._give_out_grads()
+        self._grads_taken = [False] * len(self.units)
+        if self.backward_order is None:
+            self._backward_record = []  # learn the order from a backward that completes
+
     def _give_out_grads(self) -> None:
         """Each parameter's `.grad` becomes its piece of the unit's gradient slice."""
         for unit, step_param in zip(self.units, self.step_params, strict=True):
