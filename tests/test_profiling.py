@@ -13,13 +13,14 @@ import torch
 
 from zero_lab.launch import torchrun
 from zero_lab.paths import WORKERS
+from zero_lab.profiling import checks, marks
 from zero_lab.profiling import intervals as iv
-from zero_lab.profiling import marks
 from zero_lab.profiling.analysis import (
     blocking_time,
     breakdown,
     collective_counts,
     collectives,
+    fsdp_marks,
     mean_breakdown,
     memory_over_step,
     step_breakdowns,
@@ -184,6 +185,7 @@ def test_marks_and_spans_show_in_a_trace(tmp_path):
 SYSTEMS = ["compute_only", "stage0", "stage1", "stage2", "stage3", "stage3_noprefetch",
            "ddp", "fsdp2", "blog_zero1"]
 DEPTH = 4
+NO_COMM = ["stage0", "stage1", "stage2", "stage3"]
 
 
 @pytest.fixture(scope="module")
@@ -192,7 +194,8 @@ def profiled(tmp_path_factory):
     config = {"width": 128, "depth": DEPTH, "batch": 8, "warmup": 2, "bucket_mb": 0.1}
     result = torchrun(WORKERS / "profile_systems.py", nproc=2, backend="gloo", timeout=300,
                       stream=False, args=["--systems", *SYSTEMS, "--config", json.dumps(config),
-                                          "--out", str(out), "--steps", "2", "--timed", "2"])
+                                          "--out", str(out), "--steps", "2", "--timed", "2",
+                                          "--no-comm", *NO_COMM])
     return out, result.ranks
 
 
@@ -249,3 +252,54 @@ def test_waits_top_ops_and_memory_are_read_from_the_trace(profiled):
     memory = memory_over_step(load_trace(out / "stage3_noprefetch" / "ledger" / "rank0.json"))
     assert memory and max(b for _, b in memory) > 0  # a unit's full parameters, at least
     assert trace.memory == []  # timing recordings leave allocator events out
+
+
+def _sent(trace, window) -> list[str]:
+    """What left this rank inside `window`: torch's collective calls and gloo's spans."""
+    return [e.name for e in trace.events if window[0] <= e.start < window[1]
+            and e.name.startswith(("c10d::", "gloo:"))]
+
+
+@pytest.mark.parametrize("stage", NO_COMM)
+def test_a_stage_and_its_twin_that_sends_nothing_recorded_in_turn(profiled, stage):
+    """transport="none" keeps a stage's steps (its marks, hooks, waits) but sends nothing:
+    in the recording made in turn, the stage's windows send, its twin's never do."""
+    out, ranks = profiled
+    for rank in (0, 1):
+        trace = load_trace(out / f"{stage}_ab" / f"rank{rank}.json")
+        assert len(trace.steps) == 4  # 2 steps each, in turn
+        assert all(_sent(trace, w) for w in trace.steps[0::2])
+        assert not any(_sent(trace, w) for w in trace.steps[1::2])
+        assert collective_counts(trace, step=1) == collective_counts(trace, step=0)  # marks
+        assert len(ranks[rank]["systems"][stage]["no_comm_step_times"]) == 2
+
+
+def test_prefetch_is_seen_in_the_order_of_events(profiled):
+    out, _ = profiled
+    with_prefetch = load_trace(out / "stage3" / "rank0.json")
+    for k in range(len(with_prefetch.steps)):
+        assert checks.check_prefetch_ahead(with_prefetch, k, DEPTH) == list(range(1, DEPTH))
+    with pytest.raises(AssertionError, match="found units"):
+        checks.check_prefetch_ahead(load_trace(out / "stage3_noprefetch" / "rank0.json"), 0,
+                                    DEPTH)
+
+
+def test_memory_curves_start_from_what_each_stage_holds(profiled):
+    """The worker reports the model states held when the memory step began; on top of the
+    allocator's events they give curves in which stage 0 holds the most and every stage ends
+    its step where it started."""
+    out, ranks = profiled
+    curves = {s: checks.absolute_curve(
+        ranks[0]["systems"][s]["held_bytes"],
+        memory_over_step(load_trace(out / s / "ledger" / "rank0.json"))) for s in NO_COMM}
+    held = checks.check_memory_ordering(curves, NO_COMM, [["stage0", "stage3"]])
+    assert held["stage0"][0] > 2 * held["stage3"][0]
+
+
+def test_fsdp2_marks_its_own_collectives(profiled):
+    out, _ = profiled
+    trace = load_trace(out / "fsdp2" / "rank0.json")
+    own = fsdp_marks(trace, trace.steps[0])
+    assert own["FSDP::all_gather"] == 2 * DEPTH
+    assert own["FSDP::post_backward_reduce"] == DEPTH
+    assert fsdp_marks(load_trace(out / "stage3" / "rank0.json")) == {}

@@ -57,7 +57,10 @@ from zero_lab.profiling import marks
 # How a group sends its collectives: "auto" (a direct exchange of point-to-point messages on
 # gloo, torch's collectives elsewhere: see collectives/exchange.py), "torch" or "direct".
 # `shard(..., transport=...)` passes it down; tests and `make bench` compare the two.
-TRANSPORTS = ("auto", "torch", "direct")
+# "none" sends nothing (each collective does only its local copies; training results are
+# meaningless): notebook 06 times a stage with and without it to measure what its
+# communication costs.
+TRANSPORTS = ("auto", "torch", "direct", "none")
 
 
 @dataclass(frozen=True)
@@ -213,6 +216,9 @@ class FlatParamGroup:
         `shard_in` may be this rank's own slice of `full_out` (in place).
         """
         def issue():
+            if self.transport == "none":
+                return exchange.all_gather_skipped(full_out, shard_in, self.process_group,
+                                                   async_op)
             if self.direct:
                 return exchange.all_gather(full_out, shard_in, group=self.process_group,
                                            async_op=async_op)
@@ -230,6 +236,9 @@ class FlatParamGroup:
         """Full buffers on every rank -> this rank's slice of their reduction (average by
         default): one reduce-scatter. `shard_out` must not be a view of `full_in`."""
         def issue():
+            if self.transport == "none":
+                return exchange.reduce_scatter_skipped(shard_out, full_in, op,
+                                                       self.process_group, async_op)
             if self.direct:
                 return exchange.reduce_scatter(shard_out, full_in, op=op,
                                                group=self.process_group, async_op=async_op)
@@ -241,10 +250,12 @@ class FlatParamGroup:
     def all_reduce(self, buffer: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
                    async_op: bool = False) -> dist.Work | None:
         """A full buffer (gradients) reduced in place on every rank: one all-reduce."""
-        return marks.collective(
-            f"all-reduce / {self.label}",
-            lambda: dist.all_reduce(buffer, op=op, group=self.process_group, async_op=async_op),
-            async_op)
+        def issue():
+            if self.transport == "none":  # the buffer keeps this rank's values
+                return Exchange([]) if async_op else None
+            return dist.all_reduce(buffer, op=op, group=self.process_group, async_op=async_op)
+
+        return marks.collective(f"all-reduce / {self.label}", issue, async_op)
 
     def __repr__(self) -> str:
         return (f"FlatParamGroup({len(self.params)} params, numel={self.numel}, "

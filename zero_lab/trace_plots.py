@@ -1,5 +1,6 @@
-"""Figures of profiler traces (notebook 06): a timeline of one step per system and rank, the
-time categories per system, and memory over the step. Parent side: reads trace files
+"""Figures of profiler traces (notebook 06): a hand-made example of the time categories, a
+timeline of one step per system and rank, the time categories per system, and memory over
+the step. Parent side: reads trace files
 through `zero_lab.profiling`, draws with matplotlib; `zero_lab.plots.save_figure` saves."""
 
 from __future__ import annotations
@@ -103,26 +104,72 @@ def time_categories_figure(breakdowns: dict[str, dict], title: str | None = None
 
 def memory_over_step_figure(curves: dict[str, list[tuple[float, int]]], unit=2**20,
                             unit_name="MiB", title: str | None = None):
-    """Bytes allocated since the step began, per system (one panel each), from the
-    allocator events in the trace."""
+    """Bytes this rank holds over one step, per system (one panel each, one shared scale):
+    absolute curves (`zero_lab.profiling.checks.absolute_curve`: the model states held when
+    the step began plus what was allocated since), with the step's starting level dashed, so
+    that what a system keeps between steps shows as well as what it allocates in one."""
     import matplotlib.pyplot as plt
 
     cols = 3
     rows = -(-len(curves) // cols)
-    fig, axes = plt.subplots(rows, cols, figsize=(12, 2.4 * rows), squeeze=False,
+    fig, axes = plt.subplots(rows, cols, figsize=(12, 2.5 * rows), squeeze=False,
                              sharey=True)
     for ax, (system, curve) in zip(axes.flat, curves.items(), strict=False):
         t = [x / 1e3 for x, _ in curve]
         b = [y / unit for _, y in curve]
         ax.step(t, b, where="post", color="#4C72B0", linewidth=1)
         ax.fill_between(t, b, step="post", alpha=0.25, color="#4C72B0")
-        ax.set_title(system, fontsize=9)
-        ax.set_xlabel("ms", fontsize=8)
+        ax.axhline(b[0], color="black", linestyle="--", linewidth=0.8)
+        ax.annotate(f"start {b[0]:.0f}", (t[-1], b[0]), xytext=(0, -9),
+                    textcoords="offset points", ha="right", fontsize=7)
+        ax.set_title(f"{system}: peak {max(b):.0f} {unit_name}", fontsize=9)
+        ax.set_xlabel("ms since the step began", fontsize=8)
         ax.tick_params(labelsize=7)
     for ax in axes[:, 0]:
-        ax.set_ylabel(f"{unit_name} above step start", fontsize=8)
+        ax.set_ylabel(f"{unit_name} held", fontsize=8)
     for ax in list(axes.flat)[len(curves):]:
         ax.set_visible(False)
-    fig.suptitle(title or "Memory over one step (allocator events in the trace, rank 0)")
+    fig.suptitle(title or "Memory over one step: model states held at the start (dashed) plus "
+                 "what the step allocates (rank 0)")
+    fig.tight_layout()
+    return fig
+
+
+def example_timeline_figure(events, window: tuple[float, float], title: str | None = None):
+    """A handful of hand-made events on two lanes (the training thread; a collective in
+    flight on gloo's thread) above the categories the analysis gives them: what "exposed"
+    and "hidden" mean before any formula."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    lo, hi = window
+    fig, ax = plt.subplots(figsize=(10, 3.2))
+    lanes = {"main": 2.2, "other": 1.3}
+    for e in events:
+        if e.kind == "mark":
+            continue
+        y = lanes["main" if e.track == "main" else "other"]
+        nested = any(o is not e and o.track == e.track and o.start <= e.start and e.end <= o.end
+                     for o in events)
+        color = {"compute": "#4C72B0", "comm": "#C44E52", "in_flight": OP_COLORS["all_reduce"],
+                 "optimizer": CATEGORY_COLORS["optimizer"]}[e.kind]
+        height = 0.3 if e.kind == "optimizer" else 0.5
+        ax.broken_barh([(e.start - lo, e.duration)], (y - height / 2, height), color=color,
+                       alpha=0.5 if e.kind == "optimizer" else 0.9)
+        if not nested:  # (an op inside the optimizer region is named by the region)
+            ax.text(e.start - lo + e.duration / 2, y + 0.34, e.name, ha="center", fontsize=7)
+    for name, spans in categorize(events, window).items():
+        y = 0.5 if name == "overlapped_comm" else 0
+        ax.broken_barh([(s - lo, e - s) for s, e in spans], (y - 0.15, 0.3),
+                       color=CATEGORY_COLORS[name])
+    ax.set_yticks([0, 0.5, 1.3, 2.2], ["categories", "hidden comm", "gloo thread",
+                                   "training thread"], fontsize=8)
+    ax.set_xlim(0, hi - lo)
+    ax.set_ylim(-0.4, 2.9)
+    ax.set_xlabel("time in the step (us)")
+    ax.legend(handles=[Patch(color=CATEGORY_COLORS[c], label=CATEGORY_LABELS[c])
+                       for c in (*CATEGORIES, "overlapped_comm")],
+              loc="upper center", bbox_to_anchor=(0.5, -0.25), ncol=3, fontsize=8, frameon=False)
+    ax.set_title(title or "Five events, and the categories the analysis gives them")
     fig.tight_layout()
     return fig

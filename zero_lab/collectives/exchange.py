@@ -139,3 +139,36 @@ def all_gather(output: torch.Tensor, input: torch.Tensor,
         return work
     work.wait()
     return None
+
+
+# ------------------------------------------------------------ no communication at all
+# For one measurement only (notebook 06's A/B check): the same stage with its collectives
+# removed, so that step(real) - step(no communication) is what communication costs. The
+# functions below do a collective's local work (this rank's own chunk copied, the average's
+# division) and send nothing; the results are numerically meaningless (no rank sees another's
+# data; a stage-3 unit computes with whatever the freed memory held). `partition.py` uses them
+# for `transport="none"`. Nothing is recorded in a CommLedger: nothing was sent.
+
+
+def reduce_scatter_skipped(output: torch.Tensor, input: torch.Tensor,
+                           op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM,
+                           group: dist.ProcessGroup | None = None,
+                           async_op: bool = False) -> Exchange | None:
+    """`reduce_scatter` without the messages: `output` gets this rank's own chunk (the sum of
+    one copy instead of N), divided by N for AVG as the real one would."""
+    n = dist.get_world_size(group)
+    output.copy_(_chunks(input, output, n, "input")[dist.get_rank(group)])
+    if op == dist.ReduceOp.AVG:
+        output.div_(n)
+    return Exchange([]) if async_op else None
+
+
+def all_gather_skipped(output: torch.Tensor, input: torch.Tensor,
+                       group: dist.ProcessGroup | None = None,
+                       async_op: bool = False) -> Exchange | None:
+    """`all_gather` without the messages: only this rank's chunk of `output` is written (the
+    others keep whatever they held)."""
+    mine = _chunks(output, input, dist.get_world_size(group), "output")[dist.get_rank(group)]
+    if mine.data_ptr() != input.data_ptr():
+        mine.copy_(input.view(-1))
+    return Exchange([]) if async_op else None

@@ -20,9 +20,16 @@ the training thread busy with communication and F every collective in flight (pl
 
 compute + optimizer + exposed + idle = the step window W. Each set is a union of intervals
 (intervals.py), so nested and overlapping events count once.
-On a CPU trace, an isend/irecv is "in flight" from its posting to its wait (gloo does not
-report when the bytes arrived): exposed communication is exact (the time the training thread
-waited), overlapped communication an upper bound. On a GPU trace both come from NCCL kernels.
+
+On a CPU (gloo) trace both communication figures are upper bounds. A collective is "in
+flight" while gloo's threads work on it and, for the direct exchange's isend/irecv, from its
+posting to its wait (gloo does not report when the bytes arrived, so a message that landed
+early still counts until the wait). And only torch ops are compute: while the training thread
+runs Python between ops (hooks, the optimizer's loop, the autograd engine) with gloo work in
+flight, that time counts as exposed communication, though the thread was not waiting. So
+exposed communication is at most what communication held this rank's critical path, never
+less; notebook 06 measures how close (removing the communication and timing the step). On a
+GPU trace F comes from NCCL's kernels: their real time on the device.
 """
 
 from __future__ import annotations
@@ -209,7 +216,9 @@ def blocking_time(events: Iterable[Event], window: iv.Interval | None = None
     """Per collective ("all-gather / unit 3"), the time the training thread spent on it:
     issuing it (its mark; gloo's isend may write the bytes right there) and waiting for it
     (its "wait / ..." marks). The collective with the most is the one to hide first.
-    Only zero_lab's stages mark their collectives; torch's DDP and FSDP2 do not."""
+    Reads zero_lab's marks. torch's FSDP2 marks its own phases under other names
+    ("FSDP::all_gather (k)", "FSDP::post_backward_reduce", "FSDP::post_backward_rs_wait",
+    "FSDP::pre_forward (k)", ...: see `fsdp_marks`); torch's DDP marks none."""
     out: dict[str, float] = defaultdict(float)
     for e in events:
         if window is not None and not window[0] <= e.start < window[1]:
@@ -218,6 +227,17 @@ def blocking_time(events: Iterable[Event], window: iv.Interval | None = None
             out[e.name[len(WAIT):]] += e.duration
         elif is_collective_mark(e.name):
             out[e.name] += e.duration
+    return dict(out)
+
+
+def fsdp_marks(trace: Trace, window: iv.Interval | None = None) -> dict[str, int]:
+    """The phases torch's FSDP2 names in a trace ("FSDP::all_gather", "FSDP::pre_forward",
+    "FSDP::post_backward_reduce", ...; the unit's number dropped), with how often each
+    occurs: FSDP2 marks its all-gathers, reduce-scatters and their waits as zero_lab does."""
+    out: dict[str, int] = defaultdict(int)
+    for e in trace.events:
+        if e.name.startswith("FSDP::") and (window is None or window[0] <= e.start < window[1]):
+            out[re.sub(r" \(\d+\)$| for \d+$", "", e.name)] += 1
     return dict(out)
 
 

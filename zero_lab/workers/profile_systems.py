@@ -16,24 +16,34 @@ Every system is built on the same initial model (`zero_lab.bench_systems`), then
    --out/<system>/ledger/rank<r>.json, so that the trace's collectives (count and size) can
    be checked against the ledger's for the same step (the ledger's dispatch mode and the
    shapes cost time, so they stay out of the timed traces).
-Reports per system: the unprofiled step times (slowest rank), the page faults of each
-unprofiled and profiled step (this rank), the ledger's records, the trace's path.
+With `--no-comm stage0 ...`, each named zero_lab stage also gets a twin with its
+communication removed (`transport="none"`: the same copies, hooks, buckets and 1/N update,
+nothing sent, numerically meaningless), timed unprofiled right after it in every round, and
+recorded under the profiler in turn with it, a step of each (--out/<stage>_ab/): step(stage)
+- step(twin) is what the stage's communication costs, the A/B check of the trace's exposed
+communication.
+Reports per system: the unprofiled step times (slowest rank), the twin's ("no_comm_step_times"),
+the page faults of each unprofiled and profiled step (this rank), the ledger's records, the
+model-state bytes held when the ledger step began, the trace's path.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import resource
+import statistics
 import time
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from zero_lab.bench_systems import PROFILE_SYSTEMS, BenchConfig
+from zero_lab.bench_systems import PROFILE_SYSTEMS, BenchConfig, build_zero_lab
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
+from zero_lab.measured import held_bytes
 from zero_lab.profiling.capture import capture
 from zero_lab.workloads import count_parameters, deep_mlp, mlp_batch, mse_loss, rank_slice
 
@@ -53,6 +63,16 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
+NO_COMM = "_no_comm"  # suffix of a stage's twin that sends nothing
+
+
+def _build(name: str, model, config: BenchConfig, device):
+    if name.endswith(NO_COMM):  # "stage2_no_comm": stage 2 with transport="none"
+        stage = int(name.removesuffix(NO_COMM).removeprefix("stage"))
+        return build_zero_lab(model, config, device, stage=stage, transport="none")
+    return PROFILE_SYSTEMS[name].build(model, config, device)
+
+
 class Run:
     """One system on this rank: its trainer, the steps it has taken, what was measured."""
 
@@ -60,7 +80,7 @@ class Run:
         torch.manual_seed(config.seed)  # every system starts from the same weights
         model = deep_mlp(config.width, config.depth).to(info.device)
         self.name, self.config, self.info = name, config, info
-        self.trainer = PROFILE_SYSTEMS[name].build(model, config, info.device)
+        self.trainer = _build(name, model, config, info.device)
         self.done = 0
         self.times: list[float] = []
         self.profiled: list[float] = []
@@ -97,9 +117,24 @@ class Run:
                 break
         return path, retakes
 
-    def ledger_step(self, out: Path) -> list[dict]:
-        """One more step under the profiler (with shapes) and a CommLedger."""
+    def record_in_turn(self, twin: Run, out: Path, steps: int) -> Path:
+        """Profile this system and its twin in one recording, a step of each in turn (this,
+        twin, this, ...), into out/<name>_ab/: whatever else the machine does falls on both
+        alike. The trace's step windows 0, 2, 4, ... are this system's, 1, 3, 5, ... the
+        twin's (the two unrecorded warm-up steps keep the turn)."""
+        turn = itertools.cycle((self, twin))
+        return capture(lambda: next(turn).step(), out / f"{self.name}_ab", steps=2 * steps,
+                       warmup=2, device=self.info.device, profile_memory=False)
+
+    def ledger_step(self, out: Path) -> tuple[list[dict], int]:
+        """One more step under the profiler (with shapes and memory) and a CommLedger.
+        Returns the ledger's records and the bytes of model states this rank held when the
+        step began: the profiler counts only what is allocated while it records, so a memory
+        curve is "held + allocated since"."""
         ledger = CommLedger()
+        # (the seed blog's trainer keeps its torch optimizer one level down, in .blog.optim)
+        optimizer = getattr(self.trainer.optimizer, "blog", self.trainer.optimizer)
+        held = held_bytes(self.trainer.model, optimizer)["total"]
 
         def step() -> None:
             with ledger:  # the step only: capture's barriers stay out of it
@@ -107,7 +142,14 @@ class Run:
 
         capture(step, out / self.name / "ledger", steps=1, warmup=0, device=self.info.device,
                 record_shapes=True, profile_memory=True)  # sizes and memory, not timings
-        return [{"op": r.op, "numel": r.numel, "nbytes": r.nbytes} for r in ledger.records]
+        return [{"op": r.op, "numel": r.numel, "nbytes": r.nbytes} for r in ledger.records], held
+
+
+def _slowest_rank(times: list[float]) -> list[float]:
+    """Each step's time on the slowest rank: a step ends when every rank is done."""
+    slowest = torch.tensor(times, dtype=torch.float64)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.tolist()
 
 
 def main() -> None:
@@ -117,30 +159,37 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timed", type=int, default=6)
+    parser.add_argument("--no-comm", nargs="*", default=[], choices=[f"stage{s}" for s in range(4)],
+                        help="stages timed beside a twin that sends nothing")
     args = parser.parse_args()
     config = BenchConfig(**json.loads(args.config))
     info = init_worker()
     runs = [Run(name, config, info) for name in args.systems]
-    for run in runs:
+    twins = {name: Run(name + NO_COMM, config, info) for name in args.no_comm}
+    timed = [r for run in runs for r in (run, twins.get(run.name)) if r is not None]
+    for run in timed:
         for _ in range(config.warmup):
             run.step()
-    # Unprofiled steps in rounds, every system once per round: whatever else the machine
-    # does while they run falls on all systems alike.
+    # Unprofiled steps in rounds, every system once per round (a twin right after its stage):
+    # whatever else the machine does while they run falls on all systems alike.
     for _ in range(args.timed):
-        for run in runs:
+        for run in timed:
             dist.barrier()
             _sync(info.device)
             run.times.append(run.measured_step("unprofiled"))
     results = {}
     for run in runs:
-        slowest = torch.tensor(run.times, dtype=torch.float64)
-        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)  # a step ends when every rank is done
+        slowest = _slowest_rank(run.times)
         trace, retakes = run.record(args.out, args.steps)
-        results[run.name] = {"step_times": slowest.tolist(), "trace": str(trace),
+        ledger, held = run.ledger_step(args.out)
+        results[run.name] = {"step_times": slowest, "trace": str(trace),
                              "minor_faults": run.faults, "retakes": retakes,
-                             "ledger": run.ledger_step(args.out)}
+                             "ledger": ledger, "held_bytes": held}
+        if run.name in twins:
+            results[run.name]["no_comm_step_times"] = _slowest_rank(twins[run.name].times)
+            run.record_in_turn(twins[run.name], args.out, args.steps)
         if info.rank == 0:
-            print(f"{run.name:18s} {1e3 * slowest.median().item():7.2f} ms per step (median of "
+            print(f"{run.name:18s} {1e3 * statistics.median(slowest):7.2f} ms per step (median of "
                   f"{args.timed}, unprofiled); traces in {args.out / run.name}")
     report({"systems": results, "world_size": info.world_size, "backend": info.backend,
             "device": str(info.device),

@@ -1,0 +1,204 @@
+"""Notebook 06's claims, each a check: a function that takes what the notebook measured and
+raises AssertionError, saying what was expected and what was found, when the claim is false.
+
+Every check states what holds by construction of the stages or of the analysis (an order of
+events, counts, bytes, an identity of the categories) or, for the one check on timings
+(`check_exposed_matches_removal`), compares with a margin chosen to hold on a busy machine.
+tests/test_nb06_checks.py feeds each one a wrong input (a mutant: communication moved under
+compute, prefetch off, a leaked unit, a collective missing from the ledger...) that must
+fail it, so that none of them passes whatever it is given.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable
+
+from zero_lab.profiling.analysis import CATEGORIES, breakdown, collective_counts, collectives
+from zero_lab.profiling.marks import OPTIMIZER_STEP
+from zero_lab.profiling.trace import Event, Trace
+
+
+def _fail(claim: str, expected, found) -> None:
+    raise AssertionError(f"{claim}: expected {expected}, found {found}")
+
+
+# ------------------------------------------------------------------ the trace's marks
+
+
+def check_units_marked(names: Iterable[str], depth: int) -> None:
+    """A stage-3 step names every unit's forward ("forward / unit k", k < depth)."""
+    missing = sorted({f"forward / unit {u}" for u in range(depth)} - set(names))
+    if missing:
+        _fail("every unit's forward is marked in the step", "none missing", missing)
+
+
+def check_prefetch_ahead(trace: Trace, step: int, depth: int) -> list[int]:
+    """With prefetch, unit k+1's all-gather is issued before unit k's forward begins (without
+    it, in unit k+1's own pre-forward hook, after unit k's forward): an order of events on
+    one thread, which no timing changes. Returns the units gathered ahead."""
+    lo, hi = trace.steps[step]
+    first: dict[str, float] = {}
+    for e in sorted(trace.events, key=lambda e: e.start):
+        if lo <= e.start < hi and e.track == "main" and e.name not in first:
+            first[e.name] = e.start
+    ahead = [u + 1 for u in range(depth - 1)
+             if first.get(f"all-gather / unit {u + 1}", hi) < first.get(f"forward / unit {u}", lo)]
+    if ahead != list(range(1, depth)):
+        _fail("with prefetch, unit k+1's all-gather is issued before unit k's forward",
+              f"units {list(range(1, depth))} gathered ahead", f"units {ahead}")
+    return ahead
+
+
+# ------------------------------------------------------------------ the time categories
+
+
+def check_categories_sum_to_step(b: dict[str, float], system: str = "") -> None:
+    """compute + optimizer + exposed comm + idle = the step window (the categories are a
+    partition of the window: no time counted twice, none left out)."""
+    parts = sum(b[k] for k in CATEGORIES)
+    if abs(parts - b["step"]) > 1e-6 * b["step"]:
+        _fail(f"{system}: the four categories sum to the step", f"{b['step']:.1f} us",
+              f"{parts:.1f} us")
+
+
+def check_example_breakdown(b: dict[str, float], expected: dict[str, float]) -> None:
+    """A hand-made step gets the categories worked out by hand (exactly)."""
+    found = {k: b[k] for k in expected}
+    if found != expected:
+        _fail("the example's categories", expected, found)
+
+
+def check_no_communication(b: dict[str, float], system: str = "compute_only") -> None:
+    """A system that sends nothing shows no communication in its trace."""
+    if b["comm"] != 0:
+        _fail(f"{system} has no communication", "0 us", f"{b['comm']:.1f} us")
+
+
+def check_busy_exceeds_computing(b: dict[str, float], system: str = "") -> None:
+    """The "utilisation" a tool reports (the step minus idle) exceeds the share computing by
+    exactly the exposed communication: so it is larger whenever anything was exposed."""
+    busy, computing = 1 - b["idle"] / b["step"], (b["compute"] + b["optimizer"]) / b["step"]
+    if not busy > computing:
+        _fail(f"{system}: 'busy' counts exposed communication as busy", "busy > computing",
+              f"busy {busy:.1%}, computing {computing:.1%}")
+
+
+# The A/B check's band, as shares of the summed steps without communication. On gloo the
+# trace's exposed time is an upper bound (analysis.py), so it may exceed what removing the
+# communication saves by more than it may fall short. Measured on 2 cores beside other work
+# (load average 12-14): the right analysis gave +0.08 to +0.15; one that counts the hidden
+# communication as exposed +0.37 to +0.40, one that drops the exposed part -0.26 to -0.30.
+AB_BELOW, AB_ABOVE = 0.10, 0.25
+
+
+def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, float],
+                                  base: dict[str, float], below: float = AB_BELOW,
+                                  above: float = AB_ABOVE) -> float:
+    """What the analysis calls exposed communication is what the step loses when the
+    communication is removed. Per system s (microseconds): `exposed[s]` from the trace,
+    `removed[s]` = step(s) - step(s with transport="none"), `base[s]` = the step with
+    communication removed. Summed over the systems (one system's steps on two busy cores
+    are too noisy to hold alone), exposed may exceed removed by `above` x the summed base
+    (exposed is an upper bound on gloo) and fall short by `below` x it. Returns their
+    difference over the summed base.
+
+    It fails an analysis that counts communication hidden under compute as exposed (too
+    much), or that loses exposed communication (too little). It cannot see how the rest of
+    the step is divided between compute, optimizer and idle, nor any one system's number.
+    """
+    total, saved = sum(exposed.values()), sum(removed[s] for s in exposed)
+    gap = (total - saved) / sum(base[s] for s in exposed)
+    if not -below <= gap <= above:
+        _fail("exposed communication = what removing the communication saves, summed over "
+              f"{', '.join(exposed)} (from {-below:+.0%} to {above:+.0%} of the steps "
+              "without it)", f"{saved / 1e3:.1f} ms", f"{total / 1e3:.1f} ms ({gap:+.0%})")
+    return gap
+
+
+# ------------------------------------------------------------------ collectives
+
+
+def check_collectives_match_ledger(trace: Trace, ledger: list[dict], system: str = "") -> None:
+    """The trace's collectives are the ledger's, op by op and element by element."""
+    found = sorted((c["op"], c["numel"]) for c in collectives(trace))
+    expected = sorted((x["op"], x["numel"]) for x in ledger)
+    if found != expected:
+        _fail(f"{system}: the trace's collectives are the ledger's",
+              dict(Counter(op for op, _ in expected)), dict(Counter(op for op, _ in found)))
+
+
+def check_collective_counts(trace: Trace, expected: dict[str, int], system: str = "",
+                            step: int = 0) -> None:
+    """The collectives of one step, counted per op, are `expected`."""
+    counts = collective_counts(trace, step=step)
+    if counts != expected:
+        _fail(f"{system}: collectives in one step", expected, counts)
+
+
+# ------------------------------------------------------------------ the seed blog's timer
+
+
+def step_window_share(trace: Trace, step: int) -> tuple[float, float, float]:
+    """(exposed share inside the step's optimizer-step call, exposed share of the whole
+    step, the call's length in us): the seed blog's measurement and the right one."""
+    lo, hi = trace.steps[step]
+    call = next(e for e in trace.events if e.name == OPTIMIZER_STEP and lo <= e.start < hi)
+    inside, whole = breakdown(trace.events, (call.start, call.end)), breakdown(trace.events,
+                                                                               (lo, hi))
+    return inside["exposed_comm"] / inside["step"], whole["exposed_comm"] / whole["step"], \
+        call.duration
+
+
+def check_window_inflates_share(trace: Trace, system: str = "blog_zero1") -> None:
+    """When every collective of a step sits inside its optimizer-step call, the share of
+    communication in that call exceeds its share of the whole step, step by step: the call
+    holds all the communication and only part of the compute (forward and backward are
+    outside it)."""
+    for k in range(len(trace.steps)):
+        inside, whole, _ = step_window_share(trace, k)
+        if not inside > whole:
+            _fail(f"{system} step {k}: communication's share of step() exceeds its share of "
+                  "the step", f"> {whole:.1%}", f"{inside:.1%}")
+
+
+# ------------------------------------------------------------------ memory
+
+
+def absolute_curve(held: int, curve: list[tuple[float, int]]) -> list[tuple[float, int]]:
+    """A memory curve in bytes this rank holds: the model states held when the step began
+    plus what was allocated since (the profiler counts only what it saw allocated)."""
+    return [(t, held + b) for t, b in curve]
+
+
+def check_memory_ordering(curves: dict[str, list[tuple[float, int]]], held_order: list[str],
+                          peak_orders: list[list[str]]) -> dict[str, tuple[int, int]]:
+    """Memory over one step (absolute curves): no system in `held_order` ends the step
+    holding more than at its start (whatever a step gathers or allocates, it frees; it may
+    end a little lower, having freed a tensor of the step before, such as its batch), and
+    each holds less at the start than the one before it; along each list of `peak_orders`,
+    each peaks lower than the one before it. Returns {system: (start, peak)} in bytes."""
+    seen = {s: (c[0][1], max(b for _, b in c)) for s, c in curves.items()}
+    for s in held_order:
+        if curves[s][-1][1] > curves[s][0][1]:
+            _fail(f"{s} frees what its step allocated",
+                  f"<= {curves[s][0][1]:,} bytes at the end", f"{curves[s][-1][1]:,}")
+    chains = [(held_order, 0, "holds less at the step's start")]
+    chains += [(order, 1, "peaks lower") for order in peak_orders]
+    for order, i, what in chains:
+        for a, b in zip(order, order[1:], strict=False):
+            if not seen[b][i] < seen[a][i]:
+                _fail(f"{b} {what} than {a}", f"< {seen[a][i]:,} bytes", f"{seen[b][i]:,}")
+    return seen
+
+
+# ------------------------------------------------------------------ exercise 1 on a trace
+
+
+def check_same_exposed(mine: float, events: list[Event], window: tuple[float, float]) -> None:
+    """The learner's exposed communication on a real step equals the analysis's."""
+    expected = breakdown(events, window)["exposed_comm"]
+    if abs(mine - expected) > 1e-6 * (window[1] - window[0]):
+        _fail("your exposed communication on this step equals the analysis's",
+              f"{expected:.1f} us", f"{mine:.1f} us")
+
