@@ -46,3 +46,27 @@ def test_training_goes_on_after_an_exception_caught_in_backward(ranks):
         assert "error" not in r, (rank, r)
         assert r["max_abs_diff"] <= FP32_ATOL, (rank, r)
 
+
+def test_torch_clip_grad_norm_on_all_parameters_is_the_global_norm(ranks):
+    """torch.nn.utils.clip_grad_norm_(model.parameters(), c): each rank alone would see only
+    its slices (stage 1: the norm of its slice, stage 2: 0.0, no gradients on the
+    parameters; stage 3: its pieces); shard() routes it to opt.clip_grad_norm_, the global
+    norm, at every stage."""
+    found = runs(ranks, "torch_clip")
+    assert sorted({r["stage"] for _, r in found}) == [0, 1, 2, 3]
+    for rank, r in found:
+        assert "error" not in r, (rank, r)
+        assert r["norms"] == pytest.approx(r["ref_norms"], rel=1e-5), (rank, r)
+        assert min(r["ref_norms"]) > 0.05  # every step clipped
+        assert r["max_abs_diff"] <= FP32_ATOL, (rank, r)
+
+
+def test_torch_clip_grad_norm_on_some_parameters_is_refused(ranks):
+    _, reps = ranks
+    for rep in reps:
+        for stage, message in rep["torch_clip_subset"].items():
+            assert message.startswith(
+                f"RuntimeError: torch.nn.utils.clip_grad_norm_ was given 2 of the 6 trainable "
+                f"parameters of a model sharded at stage {stage}"), message
+            assert "opt.clip_grad_norm_(max_norm)" in message
+

@@ -6,6 +6,8 @@ one launch per world size covers every case. The habits:
 
 - backward_raises: an exception inside backward, caught, and training goes on (an OOM-skip
                    or NaN-guard loop: `except RuntimeError: opt.zero_grad(); continue`)
+- torch_clip:      torch.nn.utils.clip_grad_norm_(model.parameters(), c), as in one process
+                   (made right: the global norm); on a subset of the parameters: refused
 """
 
 from __future__ import annotations
@@ -107,8 +109,50 @@ def backward_raises(rank: int, world: int) -> list[dict]:
             for stage in range(4)]
 
 
+# ------------------------------------------------------------- 2. torch's clip_grad_norm_
+CLIP = 0.05  # below the gradients' norm (~0.5): every step clips
+
+
+def loop_torch_clip(model, opt, batches) -> list[float]:
+    norms = []
+    for step in range(STEPS):
+        W.mse_loss(model, batches(step)).backward()
+        norms.append(torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP).item())
+        opt.step()
+        opt.zero_grad()
+    return norms
+
+
+def torch_clip(rank: int, world: int) -> list[dict]:
+    out = []
+    for stage in range(4):
+        seen = {}
+
+        def loop(model, opt, batches, seen=seen):
+            seen.setdefault("norms", []).append(loop_torch_clip(model, opt, batches))
+
+        result = compare(lambda: W.deep_mlp(D, depth=3), loop, stage, rank, world)
+        sharded_norms, ref_norms = (seen.get("norms", []) + [None, None])[:2]
+        out.append({**result, "norms": sharded_norms, "ref_norms": ref_norms})
+    return out
+
+
+def torch_clip_subset(rank: int, world: int) -> dict:
+    """Clipping some of the parameters by their own norm needs the norm of just those."""
+    out = {}
+    for stage in range(1, 4):
+        torch.manual_seed(SEED)
+        model, opt = shard(W.deep_mlp(D, depth=3), stage, adam)
+        W.mse_loss(model, W.rank_slice(batch(0), rank, world)).backward()
+        out[stage] = attempt(lambda model=model: torch.nn.utils.clip_grad_norm_(
+            list(model.parameters())[:2], CLIP))
+    return out
+
+
 CASES = {
     "backward_raises": backward_raises,
+    "torch_clip": torch_clip,
+    "torch_clip_subset": torch_clip_subset,
 }
 
 

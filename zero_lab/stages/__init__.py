@@ -43,6 +43,7 @@ from zero_lab.stages.sharded_optimizer import (
     make_plan,
     refuse_outside_optimizers,
 )
+from zero_lab.stages.torch_clipping import route_torch_clipping
 from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
 from zero_lab.stages.zero1 import Zero1, ZeroRedundancyOptimizer
 from zero_lab.stages.zero2 import Zero2
@@ -167,6 +168,8 @@ def shard(
         sync = DataParallel(groups, find_unused_parameters=unused)
     opt = ShardedOptimizer(sync, plan, masters or None)
     setattr(model, SHARDED_ATTR, opt)
+    if stage > 0:  # torch's clip_grad_norm_ on model.parameters(): the global norm
+        route_torch_clipping([p for group in groups for p in group.params], opt)
     if stage in (1, 2):
         refuse_outside_optimizers([p for group in groups for p in group.params], stage)
     # Stages 2 and 3 keep gradients where model.zero_grad() cannot see them (the owned
