@@ -30,11 +30,12 @@ def test_notebook07_check_accepts_reference_rejects_stub_and_mistakes(source, ch
 
 
 def test_any_choice_that_meets_the_constraints_is_accepted():
-    kw = nb07.CASES[1]  # 7B on 80 GiB GPUs, N in {8, 16, 64}
+    kw = nb07.CASES[1]  # 7B on 80 GiB GPUs over 100 GbE, N in {4, 8, 16}
     valid = nb07.AnyValidChoice(kw)
-    assert valid.accepts(nb07.reference_choice(**kw))
-    assert valid.accepts((3, 64))          # more ranks and a higher stage: allowed
-    assert not valid.accepts((3, 32))      # not a world size on offer
+    assert nb07.reference_choice(**kw) == (2, 8)
+    assert valid.accepts((2, 8)) and valid.accepts((1, 16))  # more ranks: fine too
+    assert not valid.accepts((3, 4))       # fits, but its projected step is over the bound
+    assert not valid.accepts((2, 32))      # not a world size on offer
     assert not valid.accepts("stage 3")    # not a (stage, world size) pair
     assert "any (stage, world_size)" in repr(valid)
 

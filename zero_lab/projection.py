@@ -1,33 +1,41 @@
-"""Projections beyond this machine: step time and stage choice on links we do not have.
+"""Projections beyond this machine: step time and stage choice on machines we do not have.
 
 The course measures ZeRO on a few CPU ranks over gloo; this module asks what the same
-collectives would cost on real interconnects, with the alpha-beta model of
-`collectives/cost_model.py` and published link figures (`LINKS`), or with this machine's own
-fit (`link_from_fit`). Every number it returns is a *projection*: a ring algorithm on equal
-links, ideal buckets, and the overlap rules stated in `project_step`. One ring runs at one
-link's speed: a 64-GPU ring on "nvlink4" is an NVLink-switch domain (NVL72-class); across
-DGX nodes the ring's slowest hop, InfiniBand, sets the pace. Use it to reason about
-direction and scale (is stage 2 nearly free here? does stage 3 pay off on this link?),
-never as a measurement.
+collectives would cost on real clusters, with the alpha-beta model and the links and
+machines of `interconnect` (published figures) or this machine's own fit. Every number it
+returns is a *projection*: ring (or hierarchical) collectives on equal links, equal buckets,
+and one overlap rule for every stage (`project_step`). Use it to reason about direction and
+scale (is stage 2 nearly free here? does stage 3 pay off on this link?), never as a
+measurement.
 
-    collective_time   one ring collective: steps x alpha + bytes sent x beta
-    project_step      one training step per stage: communication, exposed part, share
-    candidates        stages 0-3 evaluated side by side (memory + time), for a decision table
-    recommend         the lowest stage that fits in memory (and meets a step-time budget)
+    project_step      one training step per stage: communication, its latency and bandwidth
+                      terms, the exposed part, the step
+    peak_floor_bytes  what a step holds beyond model states and activations (N divides none)
+    candidates        stages 0-3 side by side (memory with a reserve, time), a decision table
+    recommend         the stage to use: fits with the reserve, fastest, ties broken toward
+                      less communication, then more headroom
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Integral
 
 from zero_lab import memory
-from zero_lab.collectives.cost_model import (
-    RING_OPS,
-    AlphaBetaModel,
-    ring_bytes_sent,
-    ring_steps,
+from zero_lab.collectives.cost_model import ring_bytes_sent, zero_volume
+from zero_lab.interconnect import (  # noqa: F401  (re-exported: the projection's vocabulary)
+    LINKS,
+    MACHINES,
+    Link,
+    Machine,
+    _integer,
+    _number,
+    collective_terms,
+    collective_time,
+    get_link,
+    link_from_fit,
+    max_world_size,
 )
 
 STAGES = (0, 1, 2, 3)
@@ -40,134 +48,17 @@ DEFAULT_BUCKETS = 32
 # Ideal overlap: all hideable communication runs under compute (a lower bound on step time).
 DEFAULT_OVERLAP = 1.0
 FORWARD_SHARE = 1 / 3  # backward costs about twice the forward's FLOPs (Kaplan et al. 2020)
-
-
-# ------------------------------------------------------------------------ validation
-
-
-def _number(name: str, value, *, minimum: float = 0.0, strict: bool = True, top=None):
-    """`value` if it is a finite real (not a bool) > minimum (>= if not strict), <= top."""
-    ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
-    if ok:
-        ok = (value > minimum if strict else value >= minimum) and (top is None or value <= top)
-    if not ok:
-        bound = f"{'>' if strict else '>='} {minimum:g}"
-        bound += "" if top is None else f" and <= {top:g}"
-        raise ValueError(f"{name} must be a finite number {bound}; got {value!r}")
-    return value
-
-
-def _integer(name: str, value, minimum: int = 1) -> int:
-    """`value` as an int >= minimum; bools and floats are refused (ranks, buckets)."""
-    if not isinstance(value, Integral) or isinstance(value, bool) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
-    return int(value)
+# Kept free on every GPU: the CUDA context, NCCL's buffers, the allocator's fragmentation.
+RESERVE_FRACTION = 0.10
+# Step times closer than this are a tie: the projection cannot rank them (notebook 07 shows
+# its error against measured steps).
+TIE = 0.05
 
 
 def _stage(stage) -> int:
     if not isinstance(stage, Integral) or isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3; got {stage!r}")
     return int(stage)
-
-
-# ------------------------------------------------------------------------------ links
-
-
-@dataclass(frozen=True)
-class Link:
-    """A link class in the alpha-beta model: t = steps x alpha + bytes sent x beta.
-
-    `alpha`: seconds of latency per ring step. `beta`: seconds per byte one rank sends, i.e.
-    1 / bandwidth per direction. (cost_model's `AlphaBeta.beta` is the bandwidth itself, in
-    bytes/s; `link_from_fit` converts.) `source`: where the numbers come from.
-    """
-
-    name: str
-    alpha: float
-    beta: float
-    source: str
-
-    def __post_init__(self):
-        _number("alpha", self.alpha, strict=False)
-        _number("beta", self.beta)
-
-    @property
-    def bandwidth(self) -> float:
-        """Bytes per second per direction, 1 / beta."""
-        return 1.0 / self.beta
-
-
-# alpha: NCCL's own latency model, the per-step hardware latency of a ring with the Simple
-# protocol (the one large messages use): hwLat[...][RING][SIMPLE] in NVIDIA/nccl
-# src/graph/tuning.cc is 3.4 us on NVLink, 5.7 us on PCI, 14 us on the network (NCCL adds a
-# base latency of 8.4 us per call, left out here). Bandwidths are published nominal figures.
-_NOMINAL = "Published nominal figures, not measurements; alpha: NCCL tuning.cc hwLat ring/Simple"
-LINKS: dict[str, Link] = {
-    "pcie4": Link("pcie4", 5.7e-6, 1 / 25e9, "PCIe 4.0 x16 (PCI-SIG): 16 GT/s x 16 lanes, "
-                  "128b/130b = 31.5 GB/s per direction, ~25 GB/s after packet overhead, about "
-                  f"what nccl-tests busbw reaches over PCIe. {_NOMINAL}, PCI (5.7 us)."),
-    "nvlink3": Link("nvlink3", 3.4e-6, 1 / 230e9, "A100 SXM datasheet: NVLink 3, 600 GB/s "
-                    "bidirectional = 300 GB/s per direction; nccl-tests all_reduce busbw on "
-                    f"8x A100 is typically ~230 GB/s. {_NOMINAL}, NVLink (3.4 us)."),
-    "nvlink4": Link("nvlink4", 3.4e-6, 1 / 370e9, "H100 SXM datasheet: NVLink 4, 900 GB/s "
-                    "bidirectional = 450 GB/s per direction; nccl-tests ring all_reduce busbw "
-                    f"on 8x H100 is typically ~360-400 GB/s. {_NOMINAL}, NVLink (3.4 us)."),
-    "infiniband_ndr": Link("infiniband_ndr", 14e-6, 1 / 50e9, "InfiniBand NDR: 400 Gb/s = "
-                           "50 GB/s per port per direction, one port per GPU (DGX H100); line "
-                           "rate, nccl-tests reach ~90% of it. "
-                           f"{_NOMINAL}, network (14 us)."),
-    "ethernet_100g": Link("ethernet_100g", 14e-6, 1 / 12.5e9, "100 GbE: 12.5 GB/s per "
-                          "direction, line rate. "
-                          f"{_NOMINAL}, network (14 us; RoCE-class, TCP is slower)."),
-}
-
-
-def get_link(link: str | Link) -> Link:
-    """`link` itself if it is a Link, else the entry of `LINKS` it names."""
-    if isinstance(link, Link):
-        return link
-    if isinstance(link, str) and link in LINKS:
-        return LINKS[link]
-    raise ValueError(f"link must be a Link or one of {', '.join(map(repr, LINKS))}; "
-                     f"got {link!r}")
-
-
-def link_from_fit(model: AlphaBetaModel, op: str = "all_reduce", name: str | None = None) -> Link:
-    """A Link from a measured alpha-beta fit (`cost_model.fit_alpha_beta`, notebook 02).
-
-    Uses the fit of `op` when it was measured, else the pooled fit (as `model.predict`
-    does); op="pooled" asks for the pooled fit. The fit's alpha is already per ring step.
-    """
-    if not isinstance(model, AlphaBetaModel):
-        raise ValueError(f"model must be an AlphaBetaModel (fit_alpha_beta); got {model!r}")
-    if op != "pooled" and op not in RING_OPS:
-        raise ValueError(f"op must be 'pooled' or one of {', '.join(RING_OPS)}; got {op!r}")
-    used = op if op in model.per_op else "pooled"
-    fit = model.per_op.get(op, model.pooled)
-    source = (f"measured: alpha-beta fit of {used} on this machine "
-              f"(alpha {fit.alpha * 1e6:.1f} us/step, {fit.beta / 1e9:.2f} GB/s)")
-    return Link(name or f"fit:{used}", fit.alpha, 1.0 / fit.beta, source)
-
-
-# ------------------------------------------------------------------------ collectives
-
-
-def collective_time(op: str, nbytes: float, world_size: int, link: str | Link) -> float:
-    """Seconds one ring collective takes on `link` (the alpha-beta model).
-
-        t = ring_steps(op, N) x alpha + ring_bytes_sent(op, nbytes, N) x beta
-
-    ring_steps: 2(N-1) for all-reduce, N-1 for reduce-scatter, all-gather and broadcast.
-    ring_bytes_sent: 2(N-1)/N x nbytes for all-reduce, (N-1)/N x nbytes for reduce-scatter
-    and all-gather, nbytes for broadcast. `nbytes` is the full message, as in cost_model
-    (the full input of a reduce-scatter, the full output of an all-gather). N = 1 costs 0.
-    """
-    if op not in RING_OPS:
-        raise ValueError(f"op must be one of {', '.join(RING_OPS)}; got {op!r}")
-    _number("nbytes", nbytes)
-    n = _integer("world_size", world_size)
-    lk = get_link(link)
-    return ring_steps(op, n) * lk.alpha + ring_bytes_sent(op, nbytes, n) * lk.beta
 
 
 def compute_time(n_params: float, tokens: float, flops_per_s: float) -> float:
@@ -184,39 +75,59 @@ def compute_time(n_params: float, tokens: float, flops_per_s: float) -> float:
     return 6.0 * n_params * tokens / flops_per_s
 
 
-def project_step(n_params: float, stage: int, world_size: int, link: str | Link,
-                 compute_s: float, bytes_per_elem: int = 2, buckets: int = DEFAULT_BUCKETS,
-                 overlap: float = DEFAULT_OVERLAP, gather_overlap: bool = False) -> dict:
-    """One data-parallel training step at ZeRO `stage`, projected on `link`.
+def oversubscribed(compute_s: float, world_size: int, cores: int) -> float:
+    """One rank's compute when `world_size` single-threaded ranks share `cores` cores: each
+    gets cores/N of a core once N > cores, so its compute stretches by N/cores."""
+    _number("compute_s", compute_s)
+    n, c = _integer("world_size", world_size), _integer("cores", cores)
+    return compute_s * max(1.0, n / c)
 
-    Collectives (each pass over the Ψ parameters split into `buckets` equal collectives of
-    Ψ x bytes_per_elem / buckets bytes, timed with `collective_time`):
-      stage 0     all-reduce of the gradients                        (volume 2Ψ)
-      stage 1, 2  reduce-scatter of the gradients, then an all-gather of the updated
-                  parameters after the optimizer step                (Ψ + Ψ = 2Ψ)
-      stage 3     per unit: all-gather in forward, all-gather in backward, reduce-scatter
-                  of its gradients                                   (3Ψ)
-    Stages 1 and 2 send the same collectives; they differ in memory only.
 
-    Time and overlap (`compute_s` = forward + backward of one rank's batch, measured or
-    `compute_time`; weak scaling: the per-rank batch, so compute_s, is fixed as N grows):
-      - forward = compute_s / 3, backward = 2 compute_s / 3; the optimizer step is left out.
-      - gradient collectives run under backward, except the last bucket's (it starts
-        when backward ends): hidden = min(overlap x (rest), backward).
-      - stages 1-2: the parameter all-gather follows the optimizer step with nothing left
-        to compute, so all of it is exposed (this course's stages, DeepSpeed ZeRO-1/2);
-        `gather_overlap=True` instead runs it under the next forward, first bucket exposed
-        (FSDP SHARD_GRAD_OP-style prefetch).
-      - stage 3, with prefetch: forward all-gathers hide under forward except the first
-        unit's; backward all-gathers and reduce-scatters hide under backward except the
-        first unit's gather and the last unit's reduce-scatter (same min rule).
-      - collectives share the link one at a time: their times add.
-    `overlap` in [0, 1] is the fraction of the overlappable communication that really
-    overlaps (1: ideal, a lower bound on step time; 0: none).
+# ------------------------------------------------------------------ one training step
 
-    Returns {"stage", "world_size", "link", "compute_s", "comm_s" (seconds per collective
-    kind), "comm_total_s", "bytes_sent" (per rank, ring), "exposed_s", "step_s"
-    (compute_s + exposed_s), "comm_share" (exposed_s / step_s)}.
+
+COLLECTIVES_PER_BUCKET = {0: 1, 1: 2, 2: 2, 3: 3}
+
+
+def _collectives(stage: int, k: int) -> dict[str, int]:
+    """Collectives per step, each a bucket (unit) of Ψ/k parameters."""
+    if stage == 0:
+        return {"all_reduce": k}                      # gradients: 2Ψ
+    if stage in (1, 2):
+        return {"reduce_scatter": k, "all_gather": k}  # gradients, then parameters: Ψ + Ψ
+    return {"all_gather": 2 * k, "reduce_scatter": k}  # forward, backward, gradients: 3Ψ
+
+
+def project_step(n_params: float, stage: int, world_size: int, link, compute_s: float,
+                 bytes_per_elem: int = 2, buckets: int = DEFAULT_BUCKETS,
+                 overlap: float = DEFAULT_OVERLAP, gather_after_step: bool = False) -> dict:
+    """One data-parallel training step at ZeRO `stage`, projected on `link` (a Link or a
+    Machine, or its name).
+
+    Collectives (`_collectives`: Ψ x bytes_per_elem / buckets bytes each, `collective_terms`):
+    stage 0 all-reduces the gradients; stages 1 and 2 reduce-scatter them and all-gather the
+    updated parameters (they differ in memory only); stage 3 all-gathers each unit in
+    forward and again in backward and reduce-scatters its gradients.
+
+    The overlap rule, the same for every stage. A collective hides only under compute that
+    runs while it is in flight (forward = compute_s / 3, backward = 2 compute_s / 3; weak
+    scaling: compute_s, one rank's batch, is fixed as N grows):
+      - parameter all-gathers are issued ahead of the forward that uses them (prefetch): all
+        but the first bucket's run under forward. Stages 1-2's gather of the updated
+        parameters is one of them (done bucket by bucket at the next forward, as FSDP's
+        SHARD_GRAD_OP does); stage 3's backward re-gathers run under backward, but the first.
+      - gradient reductions start as each bucket's gradients are ready: all but the last
+        bucket's run under backward.
+      - of what could hide, the fraction `overlap` does (1: ideal; 0: none), never more than
+        the phase's compute; collectives share the link one at a time (their times add).
+    `gather_after_step=True` describes implementations that all-gather the parameters after
+    the optimizer step instead (this course's stages 1-2, DeepSpeed ZeRO-1/2): nothing
+    computes then, so by the same rule none of that gather hides.
+
+    Returns {"stage", "world_size", "link", "compute_s", "comm_s" (per collective kind),
+    "comm_total_s", "latency_s" and "bandwidth_s" (comm_total_s's two terms),
+    "bytes_sent" (per rank), "volume_psi" (the ZeRO paper's volume, in Ψ: 2, 2, 2, 3),
+    "collectives" (per step), "exposed_s", "step_s" (compute_s + exposed_s), "comm_share"}.
     """
     _number("n_params", n_params)
     stage = _stage(stage)
@@ -226,34 +137,38 @@ def project_step(n_params: float, stage: int, world_size: int, link: str | Link,
     _number("bytes_per_elem", bytes_per_elem)
     k = _integer("buckets", buckets)
     _number("overlap", overlap, strict=False, top=1.0)
-    if not isinstance(gather_overlap, bool):
-        raise ValueError(f"gather_overlap must be True or False; got {gather_overlap!r}")
+    if not isinstance(gather_after_step, bool):
+        raise ValueError(f"gather_after_step must be True or False; got {gather_after_step!r}")
 
     bucket = n_params * bytes_per_elem / k  # one collective's full message
-    one = {op: collective_time(op, bucket, n, lk) for op in RING_OPS}
-    gather, scatter, reduce = one["all_gather"], one["reduce_scatter"], one["all_reduce"]
+    calls = _collectives(stage, k)
+    terms = {op: collective_terms(op, bucket, n, lk) for op in calls}
+    one = {op: t["latency_s"] + t["bandwidth_s"] for op, t in terms.items()}
     forward, backward = compute_s * FORWARD_SHARE, compute_s * (1 - FORWARD_SHARE)
     # phases: (seconds of communication, seconds of it that can never hide, compute under it)
     if stage == 0:
-        calls = {"all_reduce": k}
-        phases = [(k * reduce, reduce, backward)]
+        phases = [(k * one["all_reduce"], one["all_reduce"], backward)]
     elif stage in (1, 2):
-        calls = {"reduce_scatter": k, "all_gather": k}
-        after_step = (k * gather, k * gather, 0.0)  # all of it exposed
-        params = (k * gather, gather, forward) if gather_overlap else after_step
-        phases = [(k * scatter, scatter, backward), params]
+        gather, scatter = one["all_gather"], one["reduce_scatter"]
+        params = (k * gather, k * gather, 0.0) if gather_after_step else (k * gather, gather,
+                                                                          forward)
+        phases = [params, (k * scatter, scatter, backward)]
     else:
-        calls = {"all_gather": 2 * k, "reduce_scatter": k}
+        gather, scatter = one["all_gather"], one["reduce_scatter"]
         phases = [(k * gather, gather, forward),
                   (k * (gather + scatter), gather + scatter, backward)]
     exposed = sum(total - min(overlap * (total - always), under)
                   for total, always, under in phases)
     comm = {op: count * one[op] for op, count in calls.items()}
-    sent = sum(count * ring_bytes_sent(op, bucket, n) for op, count in calls.items())
     step = compute_s + exposed
     return {
         "stage": stage, "world_size": n, "link": lk.name, "compute_s": compute_s,
-        "comm_s": comm, "comm_total_s": sum(comm.values()), "bytes_sent": sent,
+        "comm_s": comm, "comm_total_s": sum(comm.values()),
+        "latency_s": sum(c * terms[op]["latency_s"] for op, c in calls.items()),
+        "bandwidth_s": sum(c * terms[op]["bandwidth_s"] for op, c in calls.items()),
+        "bytes_sent": sum(c * ring_bytes_sent(op, bucket, n) for op, c in calls.items()),
+        "volume_psi": sum(c * zero_volume(op, 1) for op, c in calls.items()) / k,
+        "collectives": sum(calls.values()),
         "exposed_s": exposed, "step_s": step, "comm_share": exposed / step,
     }
 
@@ -261,47 +176,74 @@ def project_step(n_params: float, stage: int, world_size: int, link: str | Link,
 # ------------------------------------------------------------------ choosing a stage
 
 
+# Units (Ψ/buckets elements, in the working precision) a step holds above its model states
+# at its peak, measured in notebook 07's first section (this course's stages, N = 1024, where
+# the states are nearly gone): stage 0 one bucket being all-reduced; stage 1 one unit's
+# gradients in flight; stage 2 a unit's gradients, its bucket copy and the next in flight;
+# stage 3 the unit computed and the one prefetched, their full gradients, one in flight.
+FLOOR_UNITS = {0: 1, 1: 1, 2: 3, 3: 5}
+
+
+def peak_floor_bytes(n_params: float, stage: int, buckets: int = DEFAULT_BUCKETS,
+                     precision: str = "mixed") -> float:
+    """Bytes a step holds above model states and activations, which no N divides:
+    FLOOR_UNITS[stage] units of Ψ/buckets parameters in the working precision."""
+    _number("n_params", n_params)
+    stage = _stage(stage)
+    k = _integer("buckets", buckets)
+    elem = memory.bytes_per_param(precision)["params"]
+    return FLOOR_UNITS[stage] * n_params / k * elem
+
+
 @dataclass(frozen=True)
 class Recommendation:
     """The stage `recommend` chose, and why, in words with the numbers."""
 
     stage: int
-    fits: bool  # the stage meets every constraint (memory, and max_step_s if given)
-    headroom_bytes: float  # gpu_bytes - per_rank_bytes (negative: over by that much)
-    per_rank_bytes: float  # model states + activations on one rank
+    fits: bool  # the stage meets every constraint (memory with its reserve, max_step_s)
+    headroom_bytes: float  # gpu_bytes - per_rank_bytes: must stay >= reserve_bytes
+    per_rank_bytes: float  # model states + activations + peak floor on one rank
     step_s: float
     comm_share: float
     reason: str
 
 
-def candidates(n_params: float, gpu_bytes: float, world_size: int, link: str | Link,
-               compute_s: float, precision: str = "mixed", optimizer: str = "adam",
+def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute_s: float,
+               precision: str = "mixed", optimizer: str = "adam",
                activation_bytes: float = 0, max_step_s: float | None = None, *,
                buckets: int = DEFAULT_BUCKETS, overlap: float = DEFAULT_OVERLAP,
-               gather_overlap: bool = False) -> list[dict]:
+               gather_after_step: bool = False,
+               reserve_fraction: float = RESERVE_FRACTION) -> list[dict]:
     """Stages 0-3 evaluated side by side, one dict each, for a decision table.
 
     Keys: stage, model_state_bytes (`memory.model_state_bytes`, per rank), activation_bytes,
-    per_rank_bytes (their sum), headroom_bytes (gpu_bytes - per_rank_bytes), fits_memory,
-    step_s, comm_share (from `project_step`, communicating in the working precision), and
-    meets_time (step_s <= max_step_s, True when no budget is given).
+    floor_bytes (`peak_floor_bytes`), per_rank_bytes (their sum), reserve_bytes
+    (reserve_fraction x gpu_bytes), headroom_bytes (gpu_bytes - per_rank_bytes),
+    fits_memory (headroom >= reserve), step_s, comm_share, volume_psi, collectives (from
+    `project_step`, communicating in the working precision), meets_time (step_s <=
+    max_step_s, True without a budget).
     """
     _number("gpu_bytes", gpu_bytes)
     _number("activation_bytes", activation_bytes, strict=False)
+    _number("reserve_fraction", reserve_fraction, strict=False, top=0.9)
     if max_step_s is not None:
         _number("max_step_s", max_step_s)
     elem = memory.bytes_per_param(precision, optimizer)["params"]  # what grads are sent in
+    reserve = reserve_fraction * gpu_bytes
     rows = []
     for stage in STAGES:
         states = memory.model_state_bytes(n_params, stage, world_size, precision, optimizer)
+        floor = peak_floor_bytes(n_params, stage, buckets, precision)
         step = project_step(n_params, stage, world_size, link, compute_s, elem, buckets,
-                            overlap, gather_overlap)
-        total = states["total"] + activation_bytes
+                            overlap, gather_after_step)
+        total = states["total"] + activation_bytes + floor
         rows.append({
             "stage": stage, "model_state_bytes": states["total"],
-            "activation_bytes": activation_bytes, "per_rank_bytes": total,
-            "headroom_bytes": gpu_bytes - total, "fits_memory": total <= gpu_bytes,
+            "activation_bytes": activation_bytes, "floor_bytes": floor,
+            "per_rank_bytes": total, "reserve_bytes": reserve,
+            "headroom_bytes": gpu_bytes - total, "fits_memory": gpu_bytes - total >= reserve,
             "step_s": step["step_s"], "comm_share": step["comm_share"],
+            "volume_psi": step["volume_psi"], "collectives": step["collectives"],
             "meets_time": max_step_s is None or step["step_s"] <= max_step_s,
         })
     return rows
@@ -312,59 +254,91 @@ def _gib(nbytes: float) -> str:
 
 
 def _memory_words(row: dict) -> str:
-    words = f"model states {_gib(row['model_state_bytes'])}"
+    words = f"states {_gib(row['model_state_bytes'])}"
     if row["activation_bytes"]:
         words += f" + activations {_gib(row['activation_bytes'])}"
+    if row["floor_bytes"]:
+        words += f" + floor {_gib(row['floor_bytes'])}"
     return words
 
 
-def _ranks_for_stage3(n_params, gpu_bytes, world_size, precision, optimizer, activations):
-    """Fewest ranks at which stage 3's states + activations fit, or None if none can."""
-    room = gpu_bytes - activations
+def _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision, optimizer,
+                      reserve_fraction):
+    """Fewest ranks (whole nodes on a Machine) at which stage 3 fits with its reserve, or
+    None if none can (activations and floor do not depend on N)."""
+    room = gpu_bytes * (1 - reserve_fraction) - rows[3]["activation_bytes"] - rows[3]["floor_bytes"]
     per_param = memory.bytes_per_param(precision, optimizer)["total"]
-    if room < per_param:  # not even one parameter per rank would fit
-        return None
-    n = max(world_size + 1, math.ceil(per_param * n_params / room))
+    if room < per_param:
+        return None  # not even one parameter per rank would fit
+    lk = get_link(link)
+    node = lk.node_size if isinstance(lk, Machine) else 1
+
+    def whole_nodes(n: int) -> int:
+        return n if n <= node else -(-n // node) * node
+
+    n = whole_nodes(max(world_size + 1, math.ceil(per_param * n_params / room)))
     while memory.model_state_bytes(n_params, 3, n, precision, optimizer)["total"] > room:
-        n += 1  # ceil(Ψ/N) partitions: at most a few steps past the estimate
-    return n if n <= n_params else None
+        n = whole_nodes(n + 1)  # ceil(Ψ/N) partitions: a few steps past the estimate at most
+    top = max_world_size(lk)
+    return n if top is None or n <= top else None
 
 
-def recommend(n_params: float, gpu_bytes: float, world_size: int, link: str | Link,
-              compute_s: float, precision: str = "mixed", optimizer: str = "adam",
+def _why_not(other: dict, chosen: dict) -> str:
+    """Why `other`, tied in time with `chosen`, lost the tie-break, in words."""
+    s = other["stage"]
+    if other["volume_psi"] > chosen["volume_psi"]:
+        return f"stage {s} sends {other['volume_psi']:g}Ψ"
+    per_bucket = other["collectives"] / (chosen["collectives"] / COLLECTIVES_PER_BUCKET[
+        chosen["stage"]])
+    if other["collectives"] > chosen["collectives"]:
+        return f"stage {s} makes {per_bucket:g} collectives per bucket"
+    return (f"stage {s} holds {_gib(chosen['headroom_bytes'] - other['headroom_bytes'])} "
+            f"more")
+
+
+def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_s: float,
+              precision: str = "mixed", optimizer: str = "adam",
               activation_bytes: float = 0, max_step_s: float | None = None, *,
               buckets: int = DEFAULT_BUCKETS, overlap: float = DEFAULT_OVERLAP,
-              gather_overlap: bool = False) -> Recommendation:
-    """The lowest ZeRO stage whose per-rank bytes fit in `gpu_bytes` and, if `max_step_s`
-    is given, whose projected step takes no longer; see `candidates` for the numbers.
+              gather_after_step: bool = False, reserve_fraction: float = RESERVE_FRACTION,
+              activations_checkpointed: bool = False) -> Recommendation:
+    """The stage to use, with the numbers (`candidates`) and the reason in words.
 
-    Lower stages are preferred: they send no more bytes than higher ones and lean less on
-    overlap (stage 3 hides its gathers only with prefetch). If no stage fits in memory,
-    the answer is stage 3 with fits=False and a reason naming what would fit (more ranks,
-    offloading, activation checkpointing); if some fit but none is fast enough, the
-    fastest that fits, with fits=False.
+    1. A stage fits if one rank's states + activations + peak floor leave the reserve
+       (reserve_fraction of the GPU) free, and meets max_step_s if given.
+    2. Of those, every stage whose projected step is within TIE (5%) of the fastest ties:
+       the projection cannot tell them apart.
+    3. Ties go to less communication (the paper's volume: 2Ψ before 3Ψ; then fewer
+       collectives per step: stage 0's one all-reduce per bucket before a reduce-scatter
+       and an all-gather the next forward waits for), then to more headroom.
+    So: stage 0 while the model fits replicated, stage 2 when it does not (it ties stage 1
+    and holds less), stage 3 when only it fits. If no stage fits in memory: stage 3 with
+    fits=False and what would fit; if some fit but none is fast enough, the fastest that fits.
     """
     rows = candidates(n_params, gpu_bytes, world_size, link, compute_s, precision, optimizer,
                       activation_bytes, max_step_s, buckets=buckets, overlap=overlap,
-                      gather_overlap=gather_overlap)
+                      gather_after_step=gather_after_step, reserve_fraction=reserve_fraction)
     fitting = [r for r in rows if r["fits_memory"]]
     ok = [r for r in fitting if r["meets_time"]]
+    reserve = f"{_gib(rows[0]['reserve_bytes'])} reserve"
     if ok:
-        row = ok[0]
-        reason = (f"stage {row['stage']}: {_memory_words(row)} fit in "
-                  f"{_gib(gpu_bytes)} with {_gib(row['headroom_bytes'])} to spare, "
-                  f"projected step {row['step_s']:.3g} s ({row['comm_share']:.1%} of it "
-                  f"waiting on communication)")
-        lower = rows[:row["stage"]]
-        if lower and not lower[-1]["fits_memory"]:
+        fastest = min(r["step_s"] for r in ok)
+        tied = [r for r in ok if r["step_s"] <= fastest * (1 + TIE)]
+        row = min(tied, key=lambda r: (r["volume_psi"], r["collectives"], -r["headroom_bytes"]))
+        reason = (f"stage {row['stage']}: {_memory_words(row)} leave "
+                  f"{_gib(row['headroom_bytes'])} of {_gib(gpu_bytes)} free (>= {reserve}), "
+                  f"projected step {row['step_s']:.3g} s ({row['comm_share']:.1%} waiting on "
+                  f"communication)")
+        others = [_why_not(r, row) for r in tied if r is not row]
+        if others:
+            reason += "; ties within 5% with " + ", ".join(others)
+        lower = [r for r in rows[:row["stage"]] if not r["fits_memory"]]
+        if lower:
             reason += f"; stage {lower[-1]['stage']} needs {_gib(lower[-1]['per_rank_bytes'])}"
-        slow = [r for r in lower if r["fits_memory"]]
+        slow = [r for r in fitting if not r["meets_time"]]
         if slow:
-            reason += (f"; stage {slow[-1]['stage']} fits but projects {slow[-1]['step_s']:.3g} s "
+            reason += (f"; stage {slow[0]['stage']} fits but projects {slow[0]['step_s']:.3g} s "
                        f"per step, over max_step_s {max_step_s:g} s")
-        if row["stage"] == 1:  # the seed blog's point: stage 2 costs the same time
-            reason += (f"; stage 2 projects the same step time with "
-                       f"{_gib(rows[2]['headroom_bytes'])} to spare")
     elif fitting:
         row = min(fitting, key=lambda r: r["step_s"])
         reason = (f"stage {row['stage']} fits in memory ({_gib(row['per_rank_bytes'])} of "
@@ -374,15 +348,16 @@ def recommend(n_params: float, gpu_bytes: float, world_size: int, link: str | Li
     else:
         row = rows[3]
         reason = (f"nothing fits: stage 3 needs {_gib(row['per_rank_bytes'])} per rank "
-                  f"({_memory_words(row)}) but the GPU has {_gib(gpu_bytes)}")
-        ranks = _ranks_for_stage3(n_params, gpu_bytes, world_size, precision, optimizer,
-                                  activation_bytes)
+                  f"({_memory_words(row)}) and the {reserve}, on {_gib(gpu_bytes)}")
+        ranks = _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision,
+                                  optimizer, reserve_fraction)
+        shrink = ("a smaller micro-batch" if activations_checkpointed else
+                  "activation checkpointing or a smaller micro-batch")
         if ranks is None:
-            reason += ("; the activations alone do not fit: shrink the per-rank batch or "
-                       "checkpoint activations")
+            reason += f"; the activations alone do not fit: {shrink}"
         else:
-            reason += (f"; stage 3 would fit on {ranks} ranks, or offload the optimizer "
-                       f"states to CPU (ZeRO-Offload) or checkpoint activations")
+            reason += (f"; stage 3 fits on {ranks} ranks, or offload the optimizer states "
+                       f"to CPU (ZeRO-Offload), or {shrink}")
     return Recommendation(stage=row["stage"], fits=bool(ok), headroom_bytes=row["headroom_bytes"],
                           per_rank_bytes=row["per_rank_bytes"], step_s=row["step_s"],
                           comm_share=row["comm_share"], reason=reason)

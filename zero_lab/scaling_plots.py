@@ -1,5 +1,5 @@
 """Figures of notebook 07: per-rank memory against N (measured and the formula, log axes),
-and the projected step time against N per stage and link. Parent side (matplotlib)."""
+and the projected step time against N per stage and link or machine. Parent side."""
 
 from __future__ import annotations
 
@@ -34,10 +34,13 @@ def memory_vs_world_figure(rows: list[dict], title: str, unit=2**20, unit_name="
 
 def projected_time_figure(curves: dict[str, dict[int, list[tuple[int, float]]]],
                           measured: dict[int, list[tuple[int, float]]] | None = None,
-                          title: str = "Projected step time per stage"):
+                          title: str = "Projected step time per stage",
+                          terms: dict[str, dict[str, list[tuple[int, float]]]] | None = None):
     """One panel per link, two panels a row: projected step time against N for each stage
-    (lines); with `measured` ({stage: [(N, seconds)]}), this machine's measured steps as dots
-    on the panel of this machine's link (the first). Log axes, ticks as plain numbers."""
+    (lines, drawn only as far as the link reaches); with `measured` ({stage: [(N, seconds)]}),
+    this machine's measured steps as dots on the first panel; with `terms` ({link: {"latency":
+    [(N, s)], "bandwidth": [(N, s)]}}), stage 3's communication split into its two terms, grey.
+    Log axes, ticks as plain numbers."""
     import matplotlib.pyplot as plt
     from matplotlib.ticker import FuncFormatter, LogLocator
 
@@ -47,6 +50,10 @@ def projected_time_figure(curves: dict[str, dict[int, list[tuple[int, float]]]],
         for stage, points in sorted(by_stage.items()):
             ax.plot([n for n, _ in points], [t * 1e3 for _, t in points], "-",
                     color=STAGE_COLORS[stage], label=f"stage {stage}")
+        for style, (term, points) in zip(("--", ":"), (terms or {}).get(link, {}).items(),
+                                         strict=False):
+            ax.plot([n for n, _ in points], [t * 1e3 for _, t in points], style, color="grey",
+                    label=f"stage 3 comm.: {term} term")
         if measured and i == 0:
             for stage, points in sorted(measured.items()):
                 ax.plot([n for n, _ in points], [t * 1e3 for _, t in points], "o",
@@ -65,6 +72,9 @@ def projected_time_figure(curves: dict[str, dict[int, list[tuple[int, float]]]],
     for ax in list(axes.flat)[len(curves):]:
         ax.set_visible(False)
     axes[0][0].legend(fontsize=8)
+    for ax in list(axes.flat)[1:len(curves)]:
+        if any(line.get_color() == "grey" for line in ax.get_lines()):
+            ax.legend(fontsize=7)
     fig.suptitle(title)
     fig.tight_layout()
     return fig

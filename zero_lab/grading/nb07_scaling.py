@@ -1,4 +1,6 @@
-"""Notebook 07's check: choose a stage and a world size for a model and a cluster.
+"""Notebook 07's checks: the graded exercise (choose a stage and a world size for a model and
+a cluster), and the claims the notebook's cells assert, each a named function so that
+tests/test_nb07_checks.py can feed it a mutant that must fail.
 
 Any choice is accepted that `zero_lab.projection.candidates` says fits in the GPU's memory
 (model states + activations) and meets the step-time bound; the reference is the cheapest
@@ -10,8 +12,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from zero_lab import memory
 from zero_lab.grading.framework import Case, run_cases
-from zero_lab.projection import candidates
+from zero_lab.projection import FLOOR_UNITS, RESERVE_FRACTION, Recommendation, candidates
 
 GiB = 2**30
 
@@ -72,8 +75,10 @@ def _stage0_reflex(n_params, gpu_bytes, world_sizes, link, compute_s, activation
 CASES = [  # (model, GPU, world sizes on offer, link, compute per step, activations, bound)
     dict(n_params=1.3e9, gpu_bytes=24 * GiB, world_sizes=[1, 2, 4, 8], link="pcie4",
          compute_s=0.9, activation_bytes=12 * GiB, max_step_s=1.2),
-    dict(n_params=7e9, gpu_bytes=80 * GiB, world_sizes=[8, 16, 64], link="nvlink4",
-         compute_s=1.7, activation_bytes=30 * GiB, max_step_s=2.0),
+    # 100 GbE: communication outlasts the compute it hides under, so the time bound bites:
+    # only stage 3 fits on 4 ranks, and it is too slow there
+    dict(n_params=7e9, gpu_bytes=80 * GiB, world_sizes=[4, 8, 16], link="ethernet_100g",
+         compute_s=1.7, activation_bytes=36 * GiB, max_step_s=2.4),
     dict(n_params=13e9, gpu_bytes=80 * GiB, world_sizes=[8, 16, 32, 64], link="infiniband_ndr",
          compute_s=3.0, activation_bytes=20 * GiB, max_step_s=3.3),
     dict(n_params=70e9, gpu_bytes=80 * GiB, world_sizes=[16, 32, 64, 128],
@@ -108,3 +113,98 @@ def check_stage_choice(fn: Callable) -> None:
                   (_stage0_reflex, "stage 0 replicates everything: at these sizes the "
                                    "model states alone do not fit"),
               ])
+
+
+# ------------------------------------------------------------------ the notebook's claims
+# Each raises AssertionError naming what broke; each holds by construction (bytes, counts),
+# never by the machine's speed.
+
+
+def check_held_is_formula_plus_padding(rows: list[dict], psi: int | None = None) -> int:
+    """Section 1: at every (N, stage), rank 0 held `memory.model_state_bytes` (fp32 + Adam)
+    plus at most the padding of its flat groups (< N elements per group, 16 bytes each:
+    parameter, gradient, Adam's m and v), and peaked no lower; with `psi`, the worker counted
+    that many parameters (a tied head once). Returns the largest padding seen, in bytes."""
+    largest = 0
+    for r in rows:
+        n, stage = r["world_size"], r["stage"]
+        if psi is not None:
+            assert r["psi"] == psi, f"Ψ = {r['psi']:,}, expected {psi:,} (an untied head?)"
+        formula = memory.model_state_bytes(r["psi"], stage, n, "fp32", "adam")["total"]
+        assert r["predicted"] == formula, (r, formula)
+        pad = r["held"]["total"] - formula
+        assert 0 <= pad <= 16 * n * r["groups"], f"N = {n}, stage {stage}: {pad:,} B over"
+        assert r["peak"] >= r["held"]["total"], r
+        largest = max(largest, pad)
+    return largest
+
+
+def check_peak_floor(floor: dict[int, int], unit_bytes: int) -> dict[int, float]:
+    """Section 1: what a step holds above its states at N = 1024 (`floor`, {stage: bytes})
+    is `projection.FLOOR_UNITS[stage]` gathered units or buckets, to half a unit: the floor
+    `recommend` keeps free. Returns the measured floor in units."""
+    units = {stage: nbytes / unit_bytes for stage, nbytes in floor.items()}
+    for stage, u in units.items():
+        assert abs(u - FLOOR_UNITS[stage]) < 0.5, (
+            f"stage {stage}: {u:.2f} units above its states, FLOOR_UNITS says "
+            f"{FLOOR_UNITS[stage]}")
+    return units
+
+
+def check_activations_outgrow_states(one_layer: int, formula: int, stage3_held: dict[int, int],
+                                     activations: int) -> None:
+    """Section 1: a layer saves the formula's bytes exactly; stage 3's states per rank
+    outweigh a micro-batch's activations on one rank and fall below them at N = 64."""
+    assert one_layer == formula, f"measured {one_layer:,} B, formula {formula:,} B"
+    assert stage3_held[1] > activations, "at N = 1 the model states should dominate"
+    assert stage3_held[64] < activations, "at N = 64 the activations should dominate"
+
+
+def check_projected_bytes(projected: dict, measured: dict, rel: float = 1e-3) -> float:
+    """Section 2: the bytes one rank sends per step, projected ({(N, stage): bytes}, ring
+    formula) and counted by the bench's ledger on the real collectives, agree to `rel` (the
+    flat buffers' padding). Returns the largest relative difference."""
+    worst = 0.0
+    for key, p in projected.items():
+        diff = abs(measured[key] / p - 1) if p else abs(measured[key])
+        assert diff <= rel, (f"N = {key[0]}, stage {key[1]}: projected {p:,.0f} B, "
+                             f"sent {measured[key]:,} B")
+        worst = max(worst, diff)
+    return worst
+
+
+def check_decision_table(table: dict, gpu_bytes: float) -> None:
+    """Section 3: every recommendation that fits leaves the reserve (RESERVE_FRACTION of the
+    GPU) free, on top of the peak floor counted in per_rank_bytes; one that does not fit is
+    stage 3 with a reason, and never advises checkpointing activations already checkpointed."""
+    for key, rec in table.items():
+        assert isinstance(rec, Recommendation), (key, rec)
+        if rec.fits:
+            assert rec.headroom_bytes >= RESERVE_FRACTION * gpu_bytes, (
+                f"{key}: stage {rec.stage} leaves {rec.headroom_bytes / GiB:.1f} GiB free")
+        else:
+            assert rec.stage == 3 and rec.reason.startswith("nothing fits"), (key, rec.reason)
+            assert "checkpointing" not in rec.reason, (key, rec.reason)
+
+
+def check_resumed_run(uninterrupted: dict, resumed: dict, tol: float = 1e-6) -> float:
+    """Section 4: the run saved at stage 3 on 2 ranks and resumed at stage 2 on 3 ranks ends
+    where the uninterrupted run ends (same names, every value within `tol`). Returns the
+    largest difference."""
+    assert set(resumed) == set(uninterrupted), set(resumed) ^ set(uninterrupted)
+    worst = 0.0
+    for name, values in uninterrupted.items():
+        assert len(resumed[name]) == len(values), name
+        worst = max([worst, *(abs(a - b) for a, b in zip(values, resumed[name], strict=True))])
+    assert worst < tol, f"resumed run differs by {worst:.2e}"
+    return worst
+
+
+def check_consolidated(weights: dict, at_save: dict) -> None:
+    """Section 4: the consolidated checkpoint equals, tensor for tensor, the full state dict
+    the ranks saw at the save."""
+    import torch
+
+    assert set(weights) == set(at_save), set(weights) ^ set(at_save)
+    for name, values in at_save.items():
+        assert torch.equal(weights[name].flatten(), torch.tensor(values)), name
