@@ -39,13 +39,13 @@ def test_soak_counts_passes_names_the_failing_cell_and_leaves_no_load(tmp_path, 
     monkeypatch.setattr(soak, "busy_processes", watched_busy)
     monkeypatch.setattr(soak, "run_once", watched_run_once)
 
-    assert soak.main([str(bad), str(good), "--runs", "1", "--load", "2"]) == 1
+    assert soak.main([str(bad), str(good), "--runs", "1", "--load", "1"]) == 1
 
     out = capsys.readouterr().out
     assert "bad.ipynb: 0/1 passed" in out and "good.ipynb: 1/1 passed" in out
     assert "cell 1: AssertionError: ('stage0', 1)" in out
     assert "cell 2: NameError: name 'y' is not defined" in out
-    assert seen_load == [2, 2]                           # the load ran beside every run ...
+    assert seen_load == [1, 1]                           # the load ran beside every run ...
     assert all(p.poll() is not None for p in spinners)  # ... and is gone after the soak
     summary = json.loads((tmp_path / "soak" / "summary.json").read_text())
     assert [(n["notebook"], n["passed"], n["runs"]) for n in summary["notebooks"]] == \
