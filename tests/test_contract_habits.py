@@ -70,3 +70,82 @@ def test_torch_clip_grad_norm_on_some_parameters_is_refused(ranks):
                 f"parameters of a model sharded at stage {stage}"), message
             assert "opt.clip_grad_norm_(max_norm)" in message
 
+
+def test_load_state_dict_reaches_every_copy_of_the_weights(ranks):
+    """model.load_state_dict(W) after shard(): full_state_dict is W at once (in mixed
+    precision the fp32 masters took W, not only the 16-bit parameters; at stage 3 W has the
+    model's own shapes and each rank keeps its piece), and training goes on as one process
+    that loaded W. bf16: the ranks round in another order than one process, so two steps
+    after the load they sit at bf16's rounding distance (measured 1.2e-3; a load that
+    missed the masters is 0.65 off)."""
+    found = runs(ranks, "load_weights")
+    assert len(found) == 8 * len(ranks[1])
+    for rank, r in found:
+        assert "error" not in r, (rank, r)
+        assert r["after_load"] == 0.0, (rank, r)
+        bound = FP32_ATOL if r["precision"] == "fp32" else 1e-2
+        assert r["max_abs_diff"] <= bound, (rank, r)
+
+
+def test_stage3_state_dict_is_refused_and_wrong_shapes_are_named(ranks):
+    _, reps = ranks
+    for rank, rep in enumerate(reps):
+        found = rep["stage3_state"]
+        assert found["state_dict"].startswith(
+            "RuntimeError: model.state_dict() at stage 3 would hold this rank's 1-D pieces of "
+            "the parameters"), found
+        assert "full_state_dict(model)" in found["state_dict"]
+        assert "zero_lab.checkpoint" in found["state_dict"]
+        assert found["wrong_shape"] == (
+            "ValueError: load_state_dict: 2.weight has shape (9, 10) in the state dict, the "
+            "model's is (9, 9)"), (rank, found)
+
+
+def test_rank0_optimizer_state_loaded_everywhere_is_refused_where_ranks_differ(ranks):
+    """Stage 0: every rank holds the whole state, rank 0's is everyone's (the DDP habit is
+    right). Stages 1-3: each rank holds the state of its slices; rank 0's loaded elsewhere is
+    refused, as torch's ZeroRedundancyOptimizer refuses it; each rank's own loads."""
+    n, reps = ranks
+    for rank, rep in enumerate(reps):
+        for stage, found in rep["opt_state_rank0"].items():
+            assert found["own"] == "no error", (rank, stage, found)
+            if stage == "0" or rank == 0:
+                assert found["rank0"] == "no error", (rank, stage, found)
+                continue
+            assert found["rank0"].startswith(
+                f"ValueError: opt.load_state_dict: this state was saved by rank 0 of {n} "
+                f"(stage {stage}), this is rank {rank} of {n}"), found
+            assert "zero_lab.checkpoint" in found["rank0"]
+
+
+def test_add_param_group_after_shard_is_refused(ranks):
+    _, reps = ranks
+    for rep in reps:
+        for stage, message in rep["add_group"].items():
+            assert message.startswith("RuntimeError: opt.add_param_group after shard()"), \
+                (stage, message)
+            assert "optimizer function given to shard()" in message
+
+
+def test_a_parameter_unfrozen_after_shard_is_refused_at_the_next_backward(ranks):
+    _, reps = ranks
+    for rep in reps:
+        for stage, message in rep["unfrozen"].items():
+            assert message.startswith(
+                "RuntimeError: 0.weight was frozen (requires_grad=False) when shard() ran and "
+                "has been unfrozen since"), (stage, message)
+
+
+def test_frozen_batchnorm_in_eval_mode_is_exact_and_training_mode_is_refused(ranks):
+    _, reps = ranks
+    for rank, rep in enumerate(reps):
+        found = rep["batchnorm"]
+        assert isinstance(found, dict) and "frozen" in found, found
+        assert sorted(r["stage"] for r in found["frozen"]) == [0, 1, 2, 3]
+        for r in found["frozen"]:
+            assert "error" not in r, (rank, r)
+            assert r["max_abs_diff"] <= FP32_ATOL, (rank, r)
+        for stage, message in found["training"].items():
+            assert message.startswith(
+                "RuntimeError: 1 is a BatchNorm1d in training mode"), (stage, message)
+            assert "GroupNorm" in message and ".eval()" in message

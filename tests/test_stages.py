@@ -242,9 +242,12 @@ REFUSALS = {
     "bucket": "ValueError: bucket_mb must be a positive number of megabytes, got 0",
     "variant": "ValueError: zero1_variant applies to stage 1 only, not stage 2",
     "unit_classes": "ValueError: unit_classes applies to stage 3 only, not stage 1",
-    "batchnorm": "ValueError: 1 is a BatchNorm1d: its batch statistics would come from each "
-                 "rank's local batch, so training would not match one process on the global "
-                 "batch; use nn.SyncBatchNorm, LayerNorm or GroupNorm",
+    "batchnorm": "RuntimeError: 1 is a BatchNorm1d in training mode: it normalises by the "
+                 "statistics of each rank's local batch, so training would not match one "
+                 "process on the global batch. Fine-tuning with pretrained statistics: keep it "
+                 "in eval mode (call 1.eval() after every model.train()), which is exact. "
+                 "Training it: use nn.GroupNorm or nn.LayerNorm, which work on CPU (gloo) and "
+                 "GPU; nn.SyncBatchNorm works only on CUDA with NCCL",
     "sparse": "ValueError: 0 produces sparse gradients (sparse=True), which flat gradient "
               "buffers cannot hold; use sparse=False",
     "frozen": "ValueError: the model has no trainable parameters (all requires_grad=False)",

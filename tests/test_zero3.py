@@ -277,7 +277,7 @@ def test_refusals(ranks):
     assert errors["unit_classes"] == (
         "TypeError: unit_classes must be nn.Module subclasses, got ('Linear',)")
     assert errors["twice"] == "ValueError: this model is already sharded; shard() a fresh model"
-    assert errors["batchnorm"].startswith("ValueError: 1 is a BatchNorm1d")
+    assert errors["batchnorm"].startswith("RuntimeError: 1 is a BatchNorm1d in training mode")
     assert errors["frozen"].startswith("ValueError: the model has no trainable parameters")
 
 

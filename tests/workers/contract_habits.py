@@ -8,16 +8,29 @@ one launch per world size covers every case. The habits:
                    or NaN-guard loop: `except RuntimeError: opt.zero_grad(); continue`)
 - torch_clip:      torch.nn.utils.clip_grad_norm_(model.parameters(), c), as in one process
                    (made right: the global norm); on a subset of the parameters: refused
+- load_weights:    model.load_state_dict(W) after shard(), in fp32 and in mixed precision
+                   (W must reach the fp32 masters; at stage 3, W has the model's shapes)
+- stage3_state:    model.state_dict() at stage 3 (refused: it would be this rank's pieces);
+                   a tensor of the wrong shape in load_state_dict (refused, named)
+- opt_state_rank0: rank 0's opt.state_dict() loaded on every rank, the DDP habit (refused at
+                   stages 1-3, where each rank's state is its slices'; right at stage 0)
+- add_group:       opt.add_param_group(...) after shard() (refused: say so in shard())
+- unfrozen:        a parameter frozen before shard() and unfrozen later (refused at the next
+                   backward, named)
+- batchnorm:       a frozen BatchNorm in eval mode (fine-tuning): exact, accepted; one in
+                   training mode: refused at its first forward, with advice for CPU/gloo
 """
 
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zero_lab import workloads as W
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
+from zero_lab.stages.mixed_precision import mixed_precision_reference
 
 STEPS = 5
 GLOBAL_BATCH = 12  # splits over 2 and 3 ranks
@@ -149,10 +162,167 @@ def torch_clip_subset(rank: int, world: int) -> dict:
     return out
 
 
+# ------------------------------------------------ 3, 12. load_state_dict after shard()
+LOAD_AT = 2  # steps before the load; as many after
+
+
+def load_weights(rank: int, world: int) -> list[dict]:
+    """Train, load other weights W with model.load_state_dict(W), train on. Right after the
+    load full_state_dict must be W exactly (the masters too); after it, the same steps as
+    one process that loads W (its masters too, in mixed precision)."""
+    torch.manual_seed(SEED + 50)
+    new = {k: v.clone() for k, v in W.deep_mlp(D, depth=3).state_dict().items()}
+
+    def train(model, opt, batches, steps):
+        for step in steps:
+            W.mse_loss(model, batches(step)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    out = []
+    for precision in ("fp32", "bf16"):
+        for stage in range(4):
+            torch.manual_seed(SEED + 1 + rank)
+            model, opt = shard(W.deep_mlp(D, depth=3), stage, adam, precision=precision)
+
+            def local(step):
+                return W.rank_slice(batch(step), rank, world)
+
+            torch.manual_seed(SEED + 1)
+            if precision == "fp32":
+                ref = W.deep_mlp(D, depth=3)
+                ref_opt = adam(ref.parameters())
+            else:
+                ref, ref_opt = mixed_precision_reference(W.deep_mlp(D, depth=3), adam)
+            result = {"stage": stage, "precision": precision}
+            try:
+                train(model, opt, local, range(LOAD_AT))
+                model.load_state_dict(new)
+                result["after_load"] = max_diff(full_state_dict(model), new)
+                train(model, opt, local, range(LOAD_AT, 2 * LOAD_AT))
+            except Exception as exc:  # noqa: BLE001
+                result["error"] = f"{type(exc).__name__}: {exc}"
+                out.append(result)
+                continue
+            train(ref, ref_opt, batch, range(LOAD_AT))
+            ref.load_state_dict(new)
+            if precision != "fp32":  # one process: the masters take W as well
+                with torch.no_grad():
+                    for master, name in zip(ref_opt.master_weights,
+                                            [n for n, _ in ref.named_parameters()],
+                                            strict=True):
+                        master.copy_(new[name])
+            train(ref, ref_opt, batch, range(LOAD_AT, 2 * LOAD_AT))
+            ref_full = (ref.state_dict() if precision == "fp32"
+                        else ref_opt.full_state_dict(ref))
+            result["max_abs_diff"] = max_diff(full_state_dict(model), ref_full)
+            out.append(result)
+    return out
+
+
+def stage3_state(rank: int, world: int) -> dict:
+    torch.manual_seed(SEED)
+    model, _ = shard(W.deep_mlp(D, depth=3), 3, adam)
+    wrong = {k: v.clone() for k, v in W.deep_mlp(D, depth=3).state_dict().items()}
+    wrong["2.weight"] = torch.zeros(D, D + 1)
+    return {"state_dict": attempt(model.state_dict),
+            "wrong_shape": attempt(lambda: model.load_state_dict(wrong))}
+
+
+# ------------------------------------------------------- 7. rank 0's optimizer state
+def opt_state_rank0(rank: int, world: int) -> dict:
+    out = {}
+    for stage in range(4):
+        torch.manual_seed(SEED)
+        model, opt = shard(W.deep_mlp(D, depth=3), stage, adam)
+        W.mse_loss(model, W.rank_slice(batch(0), rank, world)).backward()
+        opt.step()
+        saved = [opt.state_dict() if rank == 0 else None]
+        dist.broadcast_object_list(saved, src=0)  # "rank 0 saves, every rank loads"
+        own = opt.state_dict()
+        out[stage] = {"rank0": attempt(lambda opt=opt, s0=saved[0]: opt.load_state_dict(s0)),
+                      "own": attempt(lambda opt=opt, own=own: opt.load_state_dict(own))}
+    return out
+
+
+# ------------------------------------------------------------- 5. add_param_group
+def add_group(rank: int, world: int) -> dict:
+    out = {}
+    for stage in range(4):
+        torch.manual_seed(SEED)
+        model, opt = shard(W.deep_mlp(D, depth=3), stage, adam)
+        extra = nn.Linear(D, D)
+        out[stage] = attempt(lambda opt=opt, extra=extra: opt.add_param_group(
+            {"params": list(extra.parameters()), "lr": 1e-3}))
+    return out
+
+
+# ----------------------------------------------- 6. frozen before shard(), unfrozen later
+def unfrozen(rank: int, world: int) -> dict:
+    out = {}
+    for stage in range(4):
+        torch.manual_seed(SEED)
+        mlp = W.deep_mlp(D, depth=3)
+        mlp[0].weight.requires_grad_(False)
+        model, opt = shard(mlp, stage, adam)
+        x = W.rank_slice(batch(0), rank, world)
+
+        def train_unfrozen(model=model, opt=opt, x=x):
+            W.mse_loss(model, x).backward()  # frozen: fine
+            opt.step()
+            opt.zero_grad()
+            model[0].weight.requires_grad_(True)  # progressive unfreezing
+            W.mse_loss(model, x).backward()
+
+        out[stage] = attempt(train_unfrozen)
+    return out
+
+
+# ------------------------------------------------------------------- 13. BatchNorm
+def bn_mlp() -> nn.Sequential:
+    return nn.Sequential(nn.Linear(D, D), nn.BatchNorm1d(D), nn.Tanh(), nn.Linear(D, D))
+
+
+def loop_frozen_bn(model, opt, batches) -> None:
+    for step in range(STEPS):
+        model.train()
+        model[1].eval()  # fine-tuning: the pretrained statistics are kept
+        W.mse_loss(model, batches(step)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def frozen_bn_model() -> nn.Sequential:
+    model = bn_mlp()
+    with torch.no_grad():  # "pretrained" statistics
+        model[1].running_mean.uniform_(-0.5, 0.5)
+        model[1].running_var.uniform_(0.5, 2.0)
+    model[1].requires_grad_(False)
+    return model
+
+
+def batchnorm(rank: int, world: int) -> dict:
+    frozen = [compare(frozen_bn_model, loop_frozen_bn, stage, rank, world)
+              for stage in range(4)]
+    refused = {}
+    for stage in range(4):
+        torch.manual_seed(SEED)
+        model, _ = shard(bn_mlp(), stage, adam)
+        refused[stage] = attempt(
+            lambda model=model: W.mse_loss(model, W.rank_slice(batch(0), rank, world)))
+    return {"frozen": frozen, "training": refused}
+
+
 CASES = {
     "backward_raises": backward_raises,
     "torch_clip": torch_clip,
     "torch_clip_subset": torch_clip_subset,
+    "load_weights": load_weights,
+    "stage3_state": stage3_state,
+    "opt_state_rank0": opt_state_rank0,
+    "add_group": add_group,
+    "unfrozen": unfrozen,
+    "batchnorm": batchnorm,
 }
 
 

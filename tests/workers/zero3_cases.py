@@ -264,7 +264,8 @@ def error_cases() -> dict:
     return {
         "unit_classes": message(lambda: shard(W.deep_mlp(4, 1), 3, unit_classes=("Linear",))),
         "twice": message(lambda: shard(shard(W.deep_mlp(4, 1), 3)[0], 3)),
-        "batchnorm": message(lambda: shard(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)), 3)),
+        "batchnorm": message(lambda: shard(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),
+                                           3)[0](torch.ones(2, 4))),
         "frozen": message(lambda: shard(W.deep_mlp(4, 1).requires_grad_(False), 3)),
     }
 

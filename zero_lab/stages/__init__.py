@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -37,6 +38,7 @@ from torch import nn
 from zero_lab.partition import TRANSPORTS, make_flat_groups
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
+from zero_lab.stages.loading import route_loading
 from zero_lab.stages.mixed_precision import COMPUTE_DTYPES, to_compute_dtype
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
@@ -166,8 +168,12 @@ def shard(
         sync = Zero1(groups, variant=zero1_variant, find_unused_parameters=unused)
     else:
         sync = DataParallel(groups, find_unused_parameters=unused)
+    sync.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     opt = ShardedOptimizer(sync, plan, masters or None)
     setattr(model, SHARDED_ATTR, opt)
+    # model.load_state_dict(W) reaches the fp32 masters and stage 3's pieces; stage 3's
+    # model.state_dict() (this rank's pieces) is refused with what to use instead.
+    route_loading(model, sync, opt.master_weights)
     if stage > 0:  # torch's clip_grad_norm_ on model.parameters(): the global norm
         route_torch_clipping([p for group in groups for p in group.params], opt)
     if stage in (1, 2):
@@ -264,6 +270,21 @@ def _check_ranks_agree(model: nn.Module, plan: torch.optim.Optimizer, **settings
                 "parameter names and shapes) with the same settings")
 
 
+def _refuse_batch_statistics(name: str, module: nn.Module, _args) -> None:
+    """A BatchNorm that normalises by the statistics of the batch it sees would use each
+    rank's local batch, not the global one: refused at its forward. In eval mode with running
+    statistics (fine-tuning a pretrained model) it is a fixed affine map: exact, accepted."""
+    if module.training or module.running_mean is None:
+        how = "in training mode" if module.training else "without running statistics"
+        raise RuntimeError(
+            f"{name} is a {type(module).__name__} {how}: it normalises by the statistics of "
+            "each rank's local batch, so training would not match one process on the global "
+            "batch. Fine-tuning with pretrained statistics: keep it in eval mode (call "
+            f"{name}.eval() after every model.train()), which is exact. Training it: use "
+            "nn.GroupNorm or nn.LayerNorm, which work on CPU (gloo) and GPU; nn.SyncBatchNorm "
+            "works only on CUDA with NCCL")
+
+
 def _check_model(model: nn.Module) -> None:
     """Refuse, with the reason, every case that would otherwise train silently wrong."""
     if not isinstance(model, nn.Module):
@@ -273,10 +294,7 @@ def _check_model(model: nn.Module) -> None:
     for name, module in model.named_modules():
         if (isinstance(module, nn.modules.batchnorm._BatchNorm)
                 and not isinstance(module, nn.SyncBatchNorm)):
-            raise ValueError(
-                f"{name or 'model'} is a {type(module).__name__}: its batch statistics would "
-                "come from each rank's local batch, so training would not match one process "
-                "on the global batch; use nn.SyncBatchNorm, LayerNorm or GroupNorm")
+            module.register_forward_pre_hook(partial(_refuse_batch_statistics, name or "model"))
         if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
             raise ValueError(f"{name} produces sparse gradients (sparse=True), which flat "
                              "gradient buffers cannot hold; use sparse=False")

@@ -102,6 +102,9 @@ class GradientSync:
         # now (since the last zero_grad, on any rank).
         self._arrived_here = [[False] * len(g.params) for g in groups]
         self.has_grad = [[False] * len(g.params) for g in groups]
+        # Parameters frozen when shard() ran: outside the flat groups, never averaged nor
+        # stepped. One unfrozen later is refused at the end of the next backward.
+        self.frozen: list[tuple[str, nn.Parameter]] = []
         self._hook_handles: list = []
         for g, group in enumerate(groups):
             for i, p in enumerate(group.params):
@@ -154,6 +157,7 @@ class GradientSync:
             self._handed_over += 1
 
     def _on_backward_done(self) -> None:
+        self._refuse_unfrozen()
         # Groups still waiting hold parameters that got no gradient in this backward (unused
         # this step): their gradient is zero, and every rank must still join the collective.
         while self._handed_over < len(self.handover_order):
@@ -164,6 +168,16 @@ class GradientSync:
         self._ready_params = [0] * len(self.groups)
         self._handed_over = 0
         self._callback_queued = False
+
+    def _refuse_unfrozen(self) -> None:
+        unfrozen = [name for name, p in self.frozen if p.requires_grad]
+        if unfrozen:
+            raise RuntimeError(
+                f"{', '.join(unfrozen)} was frozen (requires_grad=False) when shard() ran and "
+                "has been unfrozen since: shard() laid out only the parameters trainable then, "
+                "so its gradient would never be averaged nor stepped. Unfreeze it before "
+                "shard(); for progressive unfreezing, keep it trainable with lr=0 in a "
+                "parameter group of its own and raise that group's lr when its time comes")
 
     def _agree_on_grads(self) -> None:
         """Every rank learns which parameters have a gradient now; `.grad` follows."""

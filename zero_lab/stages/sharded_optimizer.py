@@ -100,6 +100,7 @@ class Piece:
     numel: int
 
 
+OWNER_KEY = "zero_lab_owner"  # in opt.state_dict(): which rank, world size and stage saved it
 OPTIMIZER_CHUNK = 1 << 20  # elements (4 MiB of fp32) per tensor the torch optimizer sees
 SHARDED_STAGE_ATTR = "_zero_lab_stage"  # set on parameters whose gradients live elsewhere
 
@@ -198,6 +199,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         super().__init__([t for group in groups for t in group["params"]], self.optim.defaults)
         self.param_groups = self.optim.param_groups  # one source of truth: the inner optimizer
         self.state = self.optim.state
+        self._built = True  # from now on add_param_group is refused (see there)
 
     # ------------------------------------------------------------------ the update
     @torch.no_grad()
@@ -294,11 +296,45 @@ class ShardedOptimizer(torch.optim.Optimizer):
         return {name: full.get(id(t), t).detach().clone()
                 for name, t in model.state_dict(keep_vars=True).items()}
 
+    def add_param_group(self, param_group: dict) -> None:
+        """Refused once built: the optimizer steps this rank's pieces of the parameters shard()
+        laid out; a parameter added now would be stepped with this rank's own, unaveraged
+        gradient, and the ranks would drift apart."""
+        if not getattr(self, "_built", False):  # torch.optim.Optimizer.__init__ adds them
+            super().add_param_group(param_group)
+            return
+        raise RuntimeError(
+            "opt.add_param_group after shard(): the optimizer shard() returns steps this rank's "
+            "pieces of the parameters it laid out, and a parameter added now would be stepped "
+            "with each rank's own gradient (the ranks would drift apart). Put every group in "
+            "the optimizer function given to shard(); for progressive unfreezing, give the "
+            "later parameters a group of their own with lr=0 and raise its "
+            "opt.param_groups[k]['lr'] when their time comes")
+
+    def state_dict(self) -> dict:
+        """This rank's shard of the optimizer state (each rank saves its own), labelled with
+        the rank, world size and stage it belongs to."""
+        return {**self.optim.state_dict(), OWNER_KEY: self._owner()}
+
     def load_state_dict(self, state_dict: dict) -> None:
+        """Load this rank's own state. At stages 1-3 every rank's state is that of its own
+        slices, so a state saved by another rank (rank 0's, loaded everywhere: the DDP habit)
+        would fit by shape and train wrong: refused, as torch's ZeroRedundancyOptimizer does."""
+        state_dict = dict(state_dict)
+        saved = state_dict.pop(OWNER_KEY, None)
+        mine = self._owner()
+        whole = saved is not None and saved["stage"] == mine["stage"] == 0  # every rank's
+        if saved is not None and saved != mine and not whole:
+            raise ValueError(
+                f"opt.load_state_dict: this state was saved by rank {saved['rank']} of "
+                f"{saved['world_size']} (stage {saved['stage']}), this is rank {mine['rank']} of "
+                f"{mine['world_size']} (stage {mine['stage']}). Each rank's optimizer holds the "
+                "state of its own slices: save and load each rank's own opt.state_dict() (a file "
+                "per rank), or use zero_lab.checkpoint.save / load (any stage and world size)")
         self.optim.load_state_dict(state_dict)
         self.param_groups = self.optim.param_groups
         self.state = self.optim.state
 
-    def state_dict(self) -> dict:
-        """This rank's shard of the optimizer state (each rank saves its own)."""
-        return self.optim.state_dict()
+    def _owner(self) -> dict:
+        group = self.sync.groups[0]
+        return {"rank": group.rank, "world_size": group.world_size, "stage": self.sync.stage}
