@@ -8,8 +8,9 @@ measures and rejects a mutant, the mistake it is there to catch.
                                                                           below what is held
     1. the peak's floor               check_peak_floor                    stage 3 without prefetch,
                                                                           a leaked unit
-    1. activations vs states          check_activations_outgrow_states    the s² term dropped, a
-                                                                          stage 3 that does not fall
+    1. activations measured           check_saved_equals_formula          the s² term dropped
+    1. activations vs states          check_activations_outgrow_states    a stage 3 that does
+                                                                          not fall with N
     2. bytes sent vs projection       check_projected_bytes               the ring factor dropped
     3. decision table                 check_decision_table                recommend() without its
                                                                           reserve, 79.2 of 80 GiB,
@@ -62,7 +63,7 @@ def test_held_bytes_check_rejects_a_leak_or_a_padding_error(mutant):
 
 
 def test_held_bytes_check_rejects_the_untied_gpt_and_a_low_peak():
-    tied, untied = 110_316_288, 134_892_288  # the worker before the re-tie: 76 tensors
+    tied, untied = 109_554_432, 134_130_432  # the worker before the re-tie: 76 tensors
     with pytest.raises(AssertionError, match="untied"):
         checks.check_held_is_formula_plus_padding([held_row(3, 64, psi=untied)], psi=tied)
     low = held_row(3, 64)
@@ -82,17 +83,18 @@ def test_peak_floor_check():
             checks.check_peak_floor(mutant, unit)
 
 
-def test_activations_check():
+def test_activations_checks():
     s, b, h, a = 1024, 1, 768, 12
     formula = memory.activation_bytes_saved_by_torch(s, b, h, a)
-    stage3 = {1: 16 * 110_316_288, 64: 16 * 110_316_288 // 64}
-    checks.check_activations_outgrow_states(formula, formula, stage3, 12 * formula)
+    checks.check_saved_equals_formula(formula, formula)
     no_s2 = formula - 5 * a * s * s * b  # a measurement that lost the attention scores
     with pytest.raises(AssertionError, match="formula"):
-        checks.check_activations_outgrow_states(no_s2, formula, stage3, 12 * formula)
+        checks.check_saved_equals_formula(no_s2, formula)
+    stage3 = {1: 16 * 109_554_432, 64: 16 * 109_554_432 // 64}
+    checks.check_activations_outgrow_states(stage3, 12 * formula)
     flat = {1: stage3[1], 64: stage3[1]}  # a stage 3 whose states do not fall with N
     with pytest.raises(AssertionError, match="N = 64"):
-        checks.check_activations_outgrow_states(formula, formula, flat, 12 * formula)
+        checks.check_activations_outgrow_states(flat, 12 * formula)
 
 
 # ------------------------------------------------------------------ section 2

@@ -151,11 +151,14 @@ def check_peak_floor(floor: dict[int, int], unit_bytes: int) -> dict[int, float]
     return units
 
 
-def check_activations_outgrow_states(one_layer: int, formula: int, stage3_held: dict[int, int],
-                                     activations: int) -> None:
-    """Section 1: a layer saves the formula's bytes exactly; stage 3's states per rank
-    outweigh a micro-batch's activations on one rank and fall below them at N = 64."""
+def check_saved_equals_formula(one_layer: int, formula: int) -> None:
+    """Section 1: a layer's saved activations, measured, are the formula's bytes exactly."""
     assert one_layer == formula, f"measured {one_layer:,} B, formula {formula:,} B"
+
+
+def check_activations_outgrow_states(stage3_held: dict[int, int], activations: int) -> None:
+    """Section 1: stage 3's states per rank outweigh a micro-batch's activations on one
+    rank and fall below them at N = 64."""
     assert stage3_held[1] > activations, "at N = 1 the model states should dominate"
     assert stage3_held[64] < activations, "at N = 64 the activations should dominate"
 
