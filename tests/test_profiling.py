@@ -5,7 +5,7 @@ against the CommLedger of the same step."""
 from __future__ import annotations
 
 import json
-import time
+import timeit
 from collections import Counter
 
 import pytest
@@ -154,15 +154,19 @@ def test_a_cuda_trace_is_read_on_the_device_timeline(tmp_path):
 # ----------------------------------------------------------------------------- marks
 
 
+def _one_mark():
+    with marks.mark("all-gather / unit 3"):
+        pass
+
+
 def test_marks_cost_next_to_nothing_without_a_profiler():
     assert not marks.profiling()
     assert marks.mark("x") is marks.mark("y")  # the shared do-nothing context
-    n = 20_000
-    start = time.perf_counter()
-    for _ in range(n):
-        with marks.mark("all-gather / unit 3"):
-            pass
-    per_mark = (time.perf_counter() - start) / n
+    # Best of 25 batches: another process on the machine can only add time to a batch, and a
+    # batch of 1,000 marks (~0.2 ms) usually runs inside one scheduler time slice, so the best
+    # batch is the mark's own cost even beside busy processes (under the soak's load it failed
+    # with one 20,000-mark batch).
+    per_mark = min(timeit.repeat(_one_mark, number=1_000, repeat=25)) / 1_000
     assert per_mark < 2e-6, f"{per_mark * 1e6:.2f} us per mark without a profiler"
 
 
