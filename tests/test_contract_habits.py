@@ -9,7 +9,7 @@ from functools import cache
 
 import pytest
 
-from zero_lab.launch import torchrun
+from zero_lab.launch import LaunchError, torchrun
 from zero_lab.paths import REPO_ROOT
 
 WORKER = REPO_ROOT / "tests" / "workers" / "contract_habits.py"
@@ -149,3 +149,47 @@ def test_frozen_batchnorm_in_eval_mode_is_exact_and_training_mode_is_refused(ran
             assert message.startswith(
                 "RuntimeError: 1 is a BatchNorm1d in training mode"), (stage, message)
             assert "GroupNorm" in message and ".eval()" in message
+
+
+def test_small_ones(ranks):
+    n, reps = ranks
+    for rep in reps:
+        found = rep["small"]
+        assert found["full_state_dict_str"] == (
+            "TypeError: full_state_dict takes the model shard() returned (an nn.Module), got str")
+        assert found["zero_disagree"] == (
+            "ValueError: the ranks called ZeroRedundancyOptimizer() differently: rank 1 has "
+            "parameters[0] = ((4, 6), 'torch.float32', True) where rank 0 has ((6, 4), "
+            "'torch.float32', True). Every rank must shard the same model (same parameter "
+            "names and shapes) with the same settings")
+        assert found["zero_outside"].startswith(
+            "RuntimeError: this SGD steps parameters of a model sharded at stage 1"), found
+
+
+def test_a_rank_that_never_calls_shard_is_named(temp_dir):
+    """Rank 1 skips shard() and finishes; rank 0 fails waiting for it ("connection closed by
+    peer"): the error names rank 1 and says why."""
+    with pytest.raises(LaunchError) as info:
+        torchrun(REPO_ROOT / "tests" / "workers" / "contract_skip_shard.py", nproc=2,
+                 timeout=120, stream=False, backend="gloo")
+    assert info.value.rank == 1
+    assert info.value.cause.startswith(
+        "rank 1 of 2 finished contract_skip_shard.py while rank(s) 0 still waited for it in a "
+        "collective: every rank must make the same collective calls in the same order"), \
+        info.value.cause
+
+
+def test_buffers_follow_rank_0_before_every_training_forward_as_torch_ddp(ranks):
+    """A buffer forward updates and reads (an EMA): with broadcast_buffers=True (the default,
+    as torch's DDP) every rank starts each training forward from rank 0's buffers, and the
+    weights and each rank's buffer end as DDP's; full_state_dict holds rank 0's buffer on every
+    rank. broadcast_buffers=False: each rank keeps its own, as DDP with the same option."""
+    found = runs(ranks, "buffers")
+    assert {(r["broadcast_buffers"], r["stage"]) for _, r in found} == {
+        (b, s) for b in (True, False) for s in range(4)}
+    for rank, r in found:
+        assert "error" not in r, (rank, r)
+        assert r["params_diff"] <= FP32_ATOL, (rank, r)
+        assert r["own_ema_diff"] <= FP32_ATOL, (rank, r)
+        if r["broadcast_buffers"]:
+            assert r["full_ema_vs_rank0"] == 0.0, (rank, r)

@@ -81,6 +81,14 @@ def failure(script: Path, nproc: int, run_dir: Path, returncode: int) -> LaunchE
             body = "\n".join(["  ..."] + lines[-40:])
         tail = "\n".join(lines[-6:])
         head = f"rank {rank} of {nproc} failed in {script.name}: {first['error']}"
+        early = _finished_early(run_dir, nproc, errors)
+        if early is not None:
+            waiting = ", ".join(str(e["rank"]) for e in errors)
+            head = (f"rank {early} of {nproc} finished {script.name} while rank(s) {waiting} "
+                    "still waited for it in a collective: every rank must make the same "
+                    "collective calls in the same order (shard() on every rank, the same "
+                    "number of steps, no rank-only training). Then " + head)
+            rank = early
     else:
         # No rank recorded an exception and torchrun named no rank that died: torchrun itself
         # failed (or its log changed form). The stderr tails say what happened.
@@ -161,6 +169,17 @@ def _silent_death(errors: list[dict], exits: dict[int, _RankExit],
               if x.code != 0 and r not in recorded and x.pid not in stopped]
     if silent and all(_LOST_PEER.search(e["error"]) for e in errors):
         return silent[0]
+    return None
+
+
+def _finished_early(run_dir: Path, nproc: int, errors: list[dict]) -> int | None:
+    """A rank that finished its script while the others failed only because a peer went away
+    (it skipped a collective they were waiting in, e.g. it never called shard()), if any."""
+    recorded = {e["rank"] for e in errors}
+    finished = [r for r in range(nproc)
+                if r not in recorded and (run_dir / f"rank{r}.finished").exists()]
+    if finished and all(_LOST_PEER.search(e["error"]) for e in errors):
+        return finished[0]
     return None
 
 

@@ -181,6 +181,9 @@ def _run_script(argv: list[str], run_dir: Path, rank: int) -> int:
         _record_error(run_dir, rank, f"{type(exc).__name__}: {exc}", traceback.format_exc())
         traceback.print_exc()
         return 1
+    # The parent learns that this rank finished its script (a rank that skipped a collective
+    # the others wait in finishes early, and their "connection closed" errors point here).
+    (run_dir / f"rank{rank}.finished").write_text(str(time.time()))
     # Only after success: after a failure the other ranks may be stuck in a collective.
     _destroy_group()
     return 0

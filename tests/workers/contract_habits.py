@@ -19,6 +19,10 @@ one launch per world size covers every case. The habits:
                    backward, named)
 - batchnorm:       a frozen BatchNorm in eval mode (fine-tuning): exact, accepted; one in
                    training mode: refused at its first forward, with advice for CPU/gloo
+- buffers:         a buffer forward updates and reads (an EMA), against torch's DDP with
+                   broadcast_buffers=True (its default) and False
+- small:           full_state_dict("x"); the standalone ZeroRedundancyOptimizer checks that
+                   the ranks agree and refuses a torch optimizer of one's own, as shard() does
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ from torch import nn
 
 from zero_lab import workloads as W
 from zero_lab.launch import init_worker, report
-from zero_lab.stages import full_state_dict, shard
+from zero_lab.stages import ZeroRedundancyOptimizer, full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 
 STEPS = 5
@@ -313,6 +317,84 @@ def batchnorm(rank: int, world: int) -> dict:
     return {"frozen": frozen, "training": refused}
 
 
+# ------------------------------------------------------------------- 14. small ones
+def small(rank: int, world: int) -> dict:
+    def zero_disagree():
+        model = nn.Linear(4, 6, bias=False) if rank == 0 else nn.Linear(6, 4, bias=False)
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+
+    def zero_outside():
+        model = W.deep_mlp(D, depth=2)
+        ZeroRedundancyOptimizer(model.parameters(), torch.optim.Adam, lr=1e-3)
+        mine = torch.optim.SGD(model.parameters(), lr=0.1)
+        W.mse_loss(model, W.rank_slice(batch(0), rank, world)).backward()
+        mine.step()
+
+    return {"full_state_dict_str": attempt(lambda: full_state_dict("x")),
+            "zero_disagree": attempt(zero_disagree),
+            "zero_outside": attempt(zero_outside)}
+
+
+# ------------------------------------------------------------------- 8. buffers
+class EMAShift(nn.Module):
+    """A layer whose output subtracts an EMA of its own mean, updated by every training
+    forward (as running statistics are): ranks that keep their own EMA drift apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(D, D)
+        self.register_buffer("ema", torch.zeros(D))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        if self.training:
+            with torch.no_grad():
+                self.ema.mul_(0.5).add_(0.5 * h.mean(0))
+        return h - self.ema
+
+
+def ema_model() -> nn.Sequential:
+    return nn.Sequential(EMAShift(), nn.Tanh(), nn.Linear(D, D))
+
+
+def buffers(rank: int, world: int) -> list[dict]:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    def train(model, opt):
+        for step in range(STEPS):
+            W.mse_loss(model, W.rank_slice(batch(step), rank, world)).backward()
+            opt.step()
+            opt.zero_grad()
+
+    out = []
+    for broadcast in (True, False):
+        torch.manual_seed(SEED + 1)
+        ddp = DDP(ema_model(), broadcast_buffers=broadcast)
+        train(ddp, adam(ddp.parameters()))
+        ref = {k: v.detach().clone() for k, v in ddp.module.state_dict().items()}
+        for stage in range(4):
+            torch.manual_seed(SEED + 1 + rank)
+            kwargs = {} if broadcast else {"broadcast_buffers": False}
+            result = {"stage": stage, "broadcast_buffers": broadcast}
+            try:
+                model, opt = shard(ema_model(), stage, adam, **kwargs)
+                train(model, opt)
+                own = dict(model.named_buffers())["0.ema"].clone()  # as the last forward left it
+                full = full_state_dict(model)
+            except Exception as exc:  # noqa: BLE001
+                out.append({**result, "error": f"{type(exc).__name__}: {exc}"})
+                continue
+            params = [k for k in ref if k != "0.ema"]
+            everyone = [None] * world
+            dist.all_gather_object(everyone, full)
+            result["params_diff"] = max_diff({k: full[k] for k in params},
+                                             {k: ref[k] for k in params})
+            result["own_ema_diff"] = (own - ref["0.ema"]).abs().max().item()
+            result["full_ema_vs_rank0"] = (full["0.ema"] - everyone[0]["0.ema"]).abs().max().item()
+            out.append(result)
+    return out
+
+
 CASES = {
     "backward_raises": backward_raises,
     "torch_clip": torch_clip,
@@ -323,6 +405,8 @@ CASES = {
     "add_group": add_group,
     "unfrozen": unfrozen,
     "batchnorm": batchnorm,
+    "small": small,
+    "buffers": buffers,
 }
 
 

@@ -36,6 +36,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import TRANSPORTS, make_flat_groups
+from zero_lab.stages.agreement import check_ranks_agree
+from zero_lab.stages.buffers import BufferSync
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.loading import route_loading
@@ -58,6 +60,7 @@ STAGES = (0, 1, 2, 3)
 PRECISIONS = ("fp32", "mixed", "bf16", "fp16")  # "mixed" is bf16
 ROOT_PARAMS = ("shard", "replicate")  # stage 3: what becomes of parameters no unit claims
 SHARDED_ATTR = "_zero_lab_sharded"  # set on a sharded model: the object behind full_state_dict
+BUFFERS_ATTR = "_zero_lab_buffer_sync"  # its BufferSync, with broadcast_buffers=True
 FIRST_BUCKET_MB = 1.0  # as torch's DDP: a small first bucket starts communicating early
 
 
@@ -79,6 +82,7 @@ def shard(
     unit_classes: Sequence[type] | None = None,
     root_params: str = "shard",
     check_order: bool = False,
+    broadcast_buffers: bool = True,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
@@ -105,12 +109,16 @@ def shard(
     optimizer leaves them alone, as in one process) for one small all-reduce per backward.
     `zero1_variant="all_reduce"` gives the seed notes' stage 1 that all-reduces gradients
     (3Ψ per step instead of 2Ψ). `check_order=True` (stage 3, a debug aid) checks before every
-    all-gather that all ranks gather the same unit. Needs an initialised default process
-    group; call it on every rank: the ranks first check they were all given the same model
-    and settings (one small all-gather), and refuse together if not.
+    all-gather that all ranks gather the same unit. `broadcast_buffers`, as in torch's DDP
+    (its default): before every training forward, rank 0's buffers go to every rank, when
+    some changed (buffers.py). Needs an initialised default process group; call it on every
+    rank: the ranks first check they were all given the same model and settings (one small
+    all-gather), and refuse together if not.
     """
     _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
                      unit_classes, find_unused_parameters, check_order, root_params)
+    if not isinstance(broadcast_buffers, bool):
+        raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
     _check_model(model)
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
@@ -119,6 +127,7 @@ def shard(
     _check_ranks_agree(model, plan, stage=stage, precision=precision, transport=transport,
                        bucket_mb=bucket_mb, prefetch=prefetch, zero1_variant=zero1_variant,
                        find_unused_parameters=find_unused_parameters, check_order=check_order,
+                       broadcast_buffers=broadcast_buffers,
                        unit_classes=[getattr(c, "__qualname__", repr(c))
                                      for c in unit_classes or []], root_params=root_params)
     compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
@@ -171,6 +180,8 @@ def shard(
     sync.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
     opt = ShardedOptimizer(sync, plan, masters or None)
     setattr(model, SHARDED_ATTR, opt)
+    if broadcast_buffers and any(True for _ in model.buffers()):
+        setattr(model, BUFFERS_ATTR, BufferSync(model))
     # model.load_state_dict(W) reaches the fp32 masters and stage 3's pieces; stage 3's
     # model.state_dict() (this rank's pieces) is refused with what to use instead.
     route_loading(model, sync, opt.master_weights)
@@ -188,13 +199,20 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     """{name: full tensor} for every entry of `model.state_dict()`, identical on every rank.
 
     Names are the original model's (a tied weight appears under each of its names). In
-    mixed precision, trainable parameters come from the fp32 masters. Call it on every
-    rank: for sharded states it is a collective. On a model that was never sharded it
+    mixed precision, trainable parameters come from the fp32 masters; buffers are rank 0's
+    (with broadcast_buffers=True). Call it on every rank: for sharded states it is a
+    collective. On a model that was never sharded it
     returns a copy of its state dict.
     """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"full_state_dict takes the model shard() returned (an nn.Module), "
+                        f"got {type(model).__name__}")
     owner = getattr(model, SHARDED_ATTR, None)
     if owner is None:
         return {name: t.detach().clone() for name, t in model.state_dict().items()}
+    buffers = getattr(model, BUFFERS_ATTR, None)
+    if buffers is not None:
+        buffers.sync()  # rank 0's buffers, as the next training forward would see them
     return owner.full_state_dict(model)
 
 
@@ -237,37 +255,15 @@ def _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_var
 
 
 def _check_ranks_agree(model: nn.Module, plan: torch.optim.Optimizer, **settings) -> None:
-    """Refuse, on every rank at once, when the ranks were not given the same thing to shard.
-
-    Ranks that disagree would still pair their collectives by size and order, and two models
-    with the same number of elements but other shapes, or two stages, would train wrong in
-    silence. So every rank describes what it was given (settings, every parameter's and
-    buffer's name, shape and dtype, the optimizer's groups) and one all-gather compares them.
-    """
-    mine = {**settings,
-            "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
-                           for n, p in model.named_parameters()],
-            "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
-            "optimizer": [type(plan).__name__] + [len(g["params"]) for g in plan.param_groups]}
-    everyone: list = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, mine)
-    first = everyone[0]
-    for rank, theirs in enumerate(everyone):
-        for key in mine:
-            ours, other = first[key], theirs[key]
-            if ours == other:
-                continue
-            if isinstance(ours, list) and isinstance(other, list):  # the first entry apart
-                pairs = zip(ours, other, strict=False)  # lengths may differ too
-                i = next((i for i, (a, b) in enumerate(pairs) if a != b),
-                         min(len(ours), len(other)))
-                ours = ours[i] if i < len(ours) else "nothing more"
-                other = other[i] if i < len(other) else "nothing more"
-                key = f"{key}[{i}]"
-            raise ValueError(
-                f"the ranks called shard() differently: rank {rank} has {key} = {other!r} "
-                f"where rank 0 has {ours!r}. Every rank must shard the same model (same "
-                "parameter names and shapes) with the same settings")
+    """Refuse, on every rank at once, when the ranks were not given the same thing to shard:
+    every rank describes what it was given (settings, every parameter's and buffer's name,
+    shape and dtype, the optimizer's groups) and agreement.py compares the descriptions."""
+    check_ranks_agree("shard()", {
+        **settings,
+        "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                       for n, p in model.named_parameters()],
+        "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
+        "optimizer": [type(plan).__name__] + [len(g["params"]) for g in plan.param_groups]})
 
 
 def _refuse_batch_statistics(name: str, module: nn.Module, _args) -> None:

@@ -41,8 +41,13 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import FlatParamGroup, make_flat_groups
+from zero_lab.stages.agreement import check_ranks_agree
 from zero_lab.stages.gradient_sync import GradientSync
-from zero_lab.stages.sharded_optimizer import ShardedOptimizer, make_plan
+from zero_lab.stages.sharded_optimizer import (
+    ShardedOptimizer,
+    make_plan,
+    refuse_outside_optimizers,
+)
 
 VARIANTS = ("reduce_scatter", "all_reduce")
 
@@ -150,10 +155,18 @@ class ZeroRedundancyOptimizer(ShardedOptimizer):
             raise ValueError("ZeroRedundancyOptimizer got no parameter that requires grad "
                              f"({len(tensors)} parameter(s) given)")
         plan = make_plan(lambda _tensors: optimizer_class(params, **defaults), tensors)
+        # As shard(): the ranks refuse together if they were given different things.
+        check_ranks_agree("ZeroRedundancyOptimizer()", {
+            "optimizer": [type(plan).__name__] + [len(g["params"]) for g in plan.param_groups],
+            "defaults": repr(sorted(defaults.items())), "bucket_mb": bucket_mb,
+            "transport": transport,
+            "parameters": [(tuple(p.shape), str(p.dtype), p.requires_grad) for p in tensors]})
         groups = make_flat_groups([(f"param{i}", p) for i, p in enumerate(trainable)][::-1],
                                   bucket_mb * 2**20, transport=transport)
         # step() calls before_step(), which reduce-scatters the gradients.
         super().__init__(Zero1(groups, variant="reduce_scatter", reduce_in_step=True), plan)
+        # A torch optimizer of one's own on these parameters would step a zeroed gradient.
+        refuse_outside_optimizers(trainable, stage=1)
 
 
 def _parameters_in(params: list) -> list[torch.Tensor]:
