@@ -193,3 +193,19 @@ def test_buffers_follow_rank_0_before_every_training_forward_as_torch_ddp(ranks)
         assert r["own_ema_diff"] <= FP32_ATOL, (rank, r)
         if r["broadcast_buffers"]:
             assert r["full_ema_vs_rank0"] == 0.0, (rank, r)
+
+
+def test_torch_compile_works_at_stages_0_to_2_and_is_refused_at_stage_3(ranks):
+    _, reps = ranks
+    for rank, rep in enumerate(reps):
+        found = rep["compiled"]
+        assert isinstance(found, dict) and "stages" in found, found
+        assert [r["stage"] for r in found["stages"]] == [0, 1, 2]
+        for r in found["stages"]:
+            assert "error" not in r, (rank, r)
+            assert r["max_abs_diff"] <= FP32_ATOL, (rank, r)
+        for backend, message in found["stage3"].items():
+            assert message.startswith(
+                "RuntimeError: torch.compile of a model sharded at stage 3 is not supported: "
+                "stage 3 gathers and frees each unit's parameters in module hooks"), \
+                (backend, message)

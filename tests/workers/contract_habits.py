@@ -21,6 +21,8 @@ one launch per world size covers every case. The habits:
                    training mode: refused at its first forward, with advice for CPU/gloo
 - buffers:         a buffer forward updates and reads (an EMA), against torch's DDP with
                    broadcast_buffers=True (its default) and False
+- compiled:        torch.compile(model) after shard(): stages 0-2 against one process (the
+                   aot_eager backend: quick on CPU); stage 3 refused with the reason
 - small:           full_state_dict("x"); the standalone ZeroRedundancyOptimizer checks that
                    the ranks agree and refuses a torch optimizer of one's own, as shard() does
 """
@@ -395,6 +397,28 @@ def buffers(rank: int, world: int) -> list[dict]:
     return out
 
 
+# ------------------------------------------------------------------- 11. torch.compile
+def loop_compiled(model, opt, batches) -> None:
+    compiled = torch.compile(model, backend="aot_eager")
+    for step in range(STEPS):
+        W.mse_loss(compiled, batches(step)).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def compiled(rank: int, world: int) -> dict:
+    runs = [compare(lambda: W.deep_mlp(D, depth=3), loop_compiled, stage, rank, world)
+            for stage in range(3)]
+    refused = {}
+    for backend in ("aot_eager", "inductor"):
+        torch.manual_seed(SEED)
+        model, _ = shard(W.deep_mlp(D, depth=3), 3, adam)
+        fast = torch.compile(model, backend=backend)
+        refused[backend] = attempt(
+            lambda fast=fast: W.mse_loss(fast, W.rank_slice(batch(0), rank, world)).backward())
+    return {"stages": runs, "stage3": refused}
+
+
 CASES = {
     "backward_raises": backward_raises,
     "torch_clip": torch_clip,
@@ -407,6 +431,7 @@ CASES = {
     "batchnorm": batchnorm,
     "small": small,
     "buffers": buffers,
+    "compiled": compiled,
 }
 
 

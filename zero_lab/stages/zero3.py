@@ -59,6 +59,10 @@ Why rebinding `.data` alone would not free memory (the seed blog's `release`): a
 holds references to the tensors forward used; `param.data = shard` moves the parameter but
 leaves those references, and the memory, alive. Here the storage itself shrinks to zero.
 
+`torch.compile(model)` is refused at stage 3, at its first traced forward: a compiled graph
+cannot follow parameters whose storage the hooks free and refill (it saves the weights and
+finds them modified in place). Stages 0-2 compile and match one process.
+
 Stage 3 is stage 2 plus parameter sharding, and the code says so: `Zero3` subclasses
 `Zero2`, which brings the gradient hooks, the in-order hand-over, the end-of-backward
 callback (gradient_sync.py) and the asynchronous reduce-scatter into the gradient slice;
@@ -177,6 +181,8 @@ class Zero3(Zero2):
 
     # ------------------------------------------------------------------ forward hooks
     def _forward_start(self, root: int | None, module: nn.Module, args) -> None:
+        if torch.compiler.is_compiling():  # true only while torch.compile traces
+            _refuse_compile()
         if self.forward_order is None and self._forward_record is None:
             self._forward_record = []
         if root is not None:
@@ -317,6 +323,17 @@ class Zero3(Zero2):
         return [{"unit": u.name, "params": len(u.params), "numel": u.group.numel,
                  "padded": u.group.padded_numel, "slice": u.group.shard_numel}
                 for u in self.units]
+
+
+@torch.compiler.disable  # runs outside the traced graph, so the error reaches the caller
+def _refuse_compile() -> None:
+    raise RuntimeError(
+        "torch.compile of a model sharded at stage 3 is not supported: stage 3 gathers and "
+        "frees each unit's parameters in module hooks (all-gathers into a buffer whose memory "
+        "is freed and given back, parameters re-pointed with .data), which a compiled graph "
+        "cannot follow (autograd would find the weights it saved modified in place). Train "
+        "the stage-3 model uncompiled, or compile at stages 0-2, which compile and match one "
+        "process")
 
 
 def _in_backward() -> bool:
