@@ -9,7 +9,10 @@ What each stage shards and when it communicates is told in its own module, top t
 `ddp.py` (stage 0), `zero1.py`, `zero2.py`, `zero3.py` (with `units.py`). The shared
 mechanics live in `zero_lab/partition.py` (the flat buffers), `gradient_sync.py` (hooks and
 the end-of-backward callback) and `sharded_optimizer.py` (the optimizer wrapper, clipping,
-mixed precision).
+mixed precision). What keeps torch's own habits right on a sharded model lives beside them:
+`loading.py` (`model.load_state_dict`), `torch_clipping.py` (`torch.nn.utils.
+clip_grad_norm_`), `buffers.py` (DDP's `broadcast_buffers`) and `agreement.py` (ranks that
+were given different things refuse together).
 
 `shard()` changes the model in place and returns it, in three steps that every stage shares
 (read it top to bottom): trainable parameters move into flat buffers (stages 0-2: one per
