@@ -168,8 +168,9 @@ def test_bad_stage(bad):
 
 
 def test_bad_precision_and_optimizer_name_accepted_values():
-    with pytest.raises(ValueError, match=r"precision must be one of 'fp32', 'mixed'; got 'fp16'"):
-        memory.bytes_per_param("fp16", "adam")
+    with pytest.raises(ValueError, match=r"precision must be one of 'fp32', 'mixed', 'bf16', "
+                                         r"'fp16'; got 'fp8'"):
+        memory.bytes_per_param("fp8", "adam")
     with pytest.raises(ValueError, match=r"optimizer must be one of 'adam', 'adamw', "
                                          r"'sgd_momentum', 'sgd'; got 'lamb'"):
         memory.model_state_bytes(100, 1, 2, optimizer="lamb")
@@ -197,7 +198,7 @@ INT_OR_NONE = [0, 2.0, True, "2"]
 STAGE = [-1, 4, 1.0, True, "1", None]
 POSITIVE = [0, -1.0, NAN, INF, True, "80e9", None]  # byte budgets, safety factors
 FLAG = [0, 1, "False", None]
-RECIPE = {"precision": ["fp16", "FP32", 1, None], "optimizer": ["lamb", 1, None]}
+RECIPE = {"precision": ["fp8", "FP32", 1, None], "optimizer": ["lamb", 1, None]}
 SHAPE = {"seq_len": COUNT, "batch": COUNT, "hidden": COUNT, "heads": COUNT}
 ATTENTION = ["flash", "Fused", True, None]
 LAYER = {"seq_len": 2048, "batch": 2, "hidden": 4096, "heads": 32}
@@ -265,7 +266,7 @@ PUBLIC_API = {  # name: (a call that works, {argument: values that must be refus
     ),
     "parse_count": (
         {"text": "7.6B"},
-        {"text": [12, 7.6e9, None, "", "12", "xB", "-1B", "0B", "nanB", "infB", "7.6b"]},
+        {"text": [12, 7.6e9, None, "", "12", "xB", "-1B", "0B", "nanB", "infB", "7.6"]},
     ),
     "paper_figure1": ({}, {}),
     "paper_table1": ({}, {}),
@@ -532,3 +533,23 @@ def test_parse_count():
     assert memory.parse_count("0.5T") == 5e11
     with pytest.raises(ValueError, match="must end in one of M, B, T"):
         memory.parse_count("12")
+
+
+# ------------------------------------------------- one vocabulary with shard() (issue 21, 14)
+
+
+@pytest.mark.parametrize("name", ["bf16", "fp16"])
+def test_the_calculator_speaks_shards_precision_names(name):
+    """shard() accepts "bf16" and "fp16" (16-bit compute, fp32 masters): the calculator counts
+    them as the mixed precision they are, and both modules name the same choices."""
+    from zero_lab import stages
+
+    assert memory.model_state_bytes(7.5e9, 3, 64, precision=name) == \
+        memory.model_state_bytes(7.5e9, 3, 64, precision="mixed")
+    assert memory.bytes_per_param(name)["total"] == 16
+    assert stages.PRECISIONS == memory.PRECISIONS
+
+
+@pytest.mark.parametrize("text, count", [("7.6b", 7.6e9), ("340m", 3.4e8), (" 1.5T ", 1.5e12)])
+def test_parse_count_takes_any_case_and_surrounding_spaces(text, count):
+    assert memory.parse_count(text) == count

@@ -23,7 +23,9 @@ import math
 from fractions import Fraction
 from numbers import Integral, Real
 
-PRECISIONS = ("fp32", "mixed")
+# shard()'s names too: "bf16" and "fp16" are mixed precision (16-bit compute, fp32 masters),
+# "mixed" is bf16; one vocabulary, so a learner can pass the same word to both.
+PRECISIONS = ("fp32", "mixed", "bf16", "fp16")
 OPTIMIZERS = ("adam", "adamw", "sgd_momentum", "sgd")
 STAGES = (0, 1, 2, 3)
 CHECKPOINTING = ("none", "selective", "full")
@@ -604,16 +606,19 @@ PAPER_TABLE_2 = {  # MP: {stage: as printed}, then the two measured columns
 
 
 def parse_count(text: str) -> float:
-    """'7.6B' -> 7.6e9, '0.5T' -> 5e11: the paper's way of printing parameter counts."""
+    """'7.6B' -> 7.6e9, '0.5T' -> 5e11: the paper's way of printing parameter counts ('7.6b'
+    and ' 7.6B ' too)."""
     units = {"M": 1e6, "B": 1e9, "T": 1e12}
+    original, text = text, text.strip().upper() if isinstance(text, str) else text
     if not isinstance(text, str) or not text or text[-1] not in units:
-        raise ValueError(f"text must end in one of M, B, T (a count such as '7.6B'); got {text!r}")
+        raise ValueError(
+            f"text must end in one of M, B, T (a count such as '7.6B'); got {original!r}")
     try:
         number = float(text[:-1])
     except ValueError:
         number = math.nan
     if not math.isfinite(number) or number <= 0:
-        raise ValueError(f"text must be a positive number before its M, B or T; got {text!r}")
+        raise ValueError(f"text must be a positive number before its M, B or T; got {original!r}")
     return number * units[text[-1]]
 
 

@@ -38,6 +38,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero_lab.memory import PRECISIONS
 from zero_lab.partition import TRANSPORTS, make_flat_groups
 from zero_lab.stages.agreement import check_ranks_agree
 from zero_lab.stages.buffers import BufferSync
@@ -60,7 +61,6 @@ __all__ = ["shard", "full_state_dict", "ShardedOptimizer", "ZeroRedundancyOptimi
            "DataParallel", "Zero1", "Zero2", "Zero3"]
 
 STAGES = (0, 1, 2, 3)
-PRECISIONS = ("fp32", "mixed", "bf16", "fp16")  # "mixed" is bf16
 ROOT_PARAMS = ("shard", "replicate")  # stage 3: what becomes of parameters no unit claims
 SHARDED_ATTR = "_zero_lab_sharded"  # set on a sharded model: the object behind full_state_dict
 BUFFERS_ATTR = "_zero_lab_buffer_sync"  # its BufferSync, with broadcast_buffers=True
