@@ -55,3 +55,14 @@ def test_soak_counts_passes_names_the_failing_cell_and_leaves_no_load(tmp_path, 
 def test_soak_refuses_nonsense_counts():
     with pytest.raises(SystemExit):
         soak.main(["--runs", "0"])
+
+
+@pytest.mark.parametrize("fill", ["______", "_"])  # a long notebook path leaves one underscore
+def test_failed_cells_are_read_from_nbval_reports_whatever_the_path_length(fill):
+    report = (f"{fill} ../pytest-of-root/pytest-15/test_soak_0/bad.ipynb::Cell 1 {fill}\n"
+              "\x1b[31mAssertionError\x1b[39m                  Traceback (most recent call last)\n"
+              "\x1b[31mAssertionError\x1b[39m: ('stage0', 1)\n\n"
+              f"{fill} ../pytest-of-root/pytest-15/test_soak_0/bad.ipynb::Cell 2 {fill}\n"
+              "NameError: name 'y' is not defined\n")
+    assert soak.failed_cells(report) == ["cell 1: AssertionError: ('stage0', 1)",
+                                         "cell 2: NameError: name 'y' is not defined"]

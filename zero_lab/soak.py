@@ -71,7 +71,9 @@ def failed_cells(output: str) -> list[str]:
     """
     output = re.sub(r"\x1b\[[0-9;]*m", "", output)  # nbval colours its report
     found = []
-    for block in re.split(r"_{5,} (?=\S+\.ipynb::Cell \d+)", output)[1:]:
+    # Each failure's report opens with a line `____ path.ipynb::Cell 14 ____`; a long path
+    # leaves room for a single underscore on each side.
+    for block in re.split(r"^_+ (?=\S+\.ipynb::Cell \d+ _+$)", output, flags=re.M)[1:]:
         cell = re.match(r"\S+\.ipynb::Cell (\d+)", block)
         errors = re.findall(r"^(\w*(?:Error|Exception|Timeout)\b: .*)$", block, re.M)
         message = errors[-1].strip() if errors else "failed"
