@@ -4,6 +4,7 @@ world size, cached for the whole test session (each launch costs a few seconds).
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 
 from zero_lab.launch import torchrun
 from zero_lab.paths import REPO_ROOT
@@ -13,10 +14,16 @@ WORLD_SIZES = (1, 2, 3, 4)
 
 
 @cache
+def worker_reports(worker: Path, nproc: int) -> tuple[dict, ...]:
+    """Every rank's report from one launch of a case worker on `nproc` gloo ranks, launched
+    once per (worker, nproc) for the whole test session."""
+    result = torchrun(worker, nproc=nproc, timeout=600, stream=False, backend="gloo")
+    return tuple(result.ranks)
+
+
 def stage_case_reports(nproc: int) -> tuple[dict, ...]:
     """Every rank's report from tests/workers/stage_cases.py run on `nproc` gloo ranks."""
-    result = torchrun(STAGE_CASES, nproc=nproc, timeout=600, stream=False, backend="gloo")
-    return tuple(result.ranks)
+    return worker_reports(STAGE_CASES, nproc)
 
 
 def select_cases(reports: tuple[dict, ...], rank: int = 0, **match) -> list[dict]:

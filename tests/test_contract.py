@@ -11,26 +11,18 @@ stage, against one process (tests/workers/contract_cases.py, one launch per worl
 
 from __future__ import annotations
 
-from functools import cache
-
 import pytest
+from common import worker_reports
 
-from zero_lab.launch import torchrun
 from zero_lab.paths import REPO_ROOT
 
 WORKER = REPO_ROOT / "tests" / "workers" / "contract_cases.py"
 FP32_ATOL = 1e-6  # fp32 weights of size ~0.1-1 after 6 steps (the stage tests measure 1.2e-7)
 
 
-@cache
-def reports(nproc: int) -> tuple[dict, ...]:
-    return tuple(torchrun(WORKER, nproc=nproc, timeout=600, stream=False,
-                          backend="gloo").ranks)
-
-
 @pytest.fixture(params=[2, 3], scope="module", ids=lambda n: f"N={n}")
 def ranks(request):
-    return request.param, reports(request.param)
+    return request.param, worker_reports(WORKER, request.param)
 
 
 def cases(ranks, scenario: str) -> list[tuple[int, dict]]:

@@ -5,9 +5,8 @@ at the first moment it can be detected with a message that says what to do inste
 
 from __future__ import annotations
 
-from functools import cache
-
 import pytest
+from common import worker_reports
 
 from zero_lab.launch import LaunchError, torchrun
 from zero_lab.paths import REPO_ROOT
@@ -16,15 +15,9 @@ WORKER = REPO_ROOT / "tests" / "workers" / "contract_habits.py"
 FP32_ATOL = 1e-6  # fp32 weights after a few Adam steps (the contract tests measure ~2e-7)
 
 
-@cache
-def reports(nproc: int) -> tuple[dict, ...]:
-    return tuple(torchrun(WORKER, nproc=nproc, timeout=600, stream=False,
-                          backend="gloo").ranks)
-
-
 @pytest.fixture(params=[2, 3], scope="module", ids=lambda n: f"N={n}")
 def ranks(request):
-    return request.param, reports(request.param)
+    return request.param, worker_reports(WORKER, request.param)
 
 
 def runs(ranks, case: str) -> list[tuple[int, dict]]:
