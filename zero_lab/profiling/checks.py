@@ -89,8 +89,19 @@ def check_busy_exceeds_computing(b: dict[str, float], system: str = "") -> None:
 # communication saves by more than it may fall short. Measured in 8 runs on 2 cores beside
 # other work (load average 12-17): the right analysis gave -0.02 to +0.15; one that counts
 # the hidden communication as exposed +0.27 to +0.40, one that drops the exposed part -0.26
-# to -0.45.
+# to -0.45. But the band is not wide enough to hold by construction: in a soak of notebook 06
+# (5 runs beside two busy processes) one run fell below it (exposed 142.6 ms against 182.2 ms
+# saved). So notebook 06 prints where the measurement falls against the band and does not
+# assert it; tests/test_nb06_checks.py holds the check to its mutants on recorded numbers.
 AB_BELOW, AB_ABOVE = 0.10, 0.25
+
+
+def exposed_removal_gap(exposed: dict[str, float], removed: dict[str, float],
+                        base: dict[str, float]) -> float:
+    """(summed exposed communication - summed time removing it saved) / summed steps without
+    communication, over the systems of `exposed` (see check_exposed_matches_removal)."""
+    total, saved = sum(exposed.values()), sum(removed[s] for s in exposed)
+    return (total - saved) / sum(base[s] for s in exposed)
 
 
 def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, float],
@@ -108,9 +119,9 @@ def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, 
     much), or that loses exposed communication (too little). It cannot see how the rest of
     the step is divided between compute, optimizer and idle, nor any one system's number.
     """
-    total, saved = sum(exposed.values()), sum(removed[s] for s in exposed)
-    gap = (total - saved) / sum(base[s] for s in exposed)
+    gap = exposed_removal_gap(exposed, removed, base)
     if not -below <= gap <= above:
+        total, saved = sum(exposed.values()), sum(removed[s] for s in exposed)
         _fail("exposed communication = what removing the communication saves, summed over "
               f"{', '.join(exposed)} (from {-below:+.0%} to {above:+.0%} of the steps "
               "without it)", f"{saved / 1e3:.1f} ms", f"{total / 1e3:.1f} ms ({gap:+.0%})")
