@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import torch
 import torch.distributed as dist
+from stage_cases import error_message  # a sibling worker: `Type: message` of what fn() raises
 from torch import nn
 
 from zero_lab import workloads as W
@@ -51,14 +52,6 @@ def batch(step: int) -> tuple[torch.Tensor, torch.Tensor]:
 
 def adam(params):
     return torch.optim.Adam(params, lr=1e-2)
-
-
-def attempt(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the case reports what it got
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def max_diff(a: dict, b: dict) -> float:
@@ -163,7 +156,7 @@ def torch_clip_subset(rank: int, world: int) -> dict:
         torch.manual_seed(SEED)
         model, opt = shard(W.deep_mlp(D, depth=3), stage, adam)
         W.mse_loss(model, W.rank_slice(batch(0), rank, world)).backward()
-        out[stage] = attempt(lambda model=model: torch.nn.utils.clip_grad_norm_(
+        out[stage] = error_message(lambda model=model: torch.nn.utils.clip_grad_norm_(
             list(model.parameters())[:2], CLIP))
     return out
 
@@ -231,8 +224,8 @@ def stage3_state(rank: int, world: int) -> dict:
     model, _ = shard(W.deep_mlp(D, depth=3), 3, adam)
     wrong = {k: v.clone() for k, v in W.deep_mlp(D, depth=3).state_dict().items()}
     wrong["2.weight"] = torch.zeros(D, D + 1)
-    return {"state_dict": attempt(model.state_dict),
-            "wrong_shape": attempt(lambda: model.load_state_dict(wrong))}
+    return {"state_dict": error_message(model.state_dict),
+            "wrong_shape": error_message(lambda: model.load_state_dict(wrong))}
 
 
 # ------------------------------------------------------- 7. rank 0's optimizer state
@@ -246,8 +239,8 @@ def opt_state_rank0(rank: int, world: int) -> dict:
         saved = [opt.state_dict() if rank == 0 else None]
         dist.broadcast_object_list(saved, src=0)  # "rank 0 saves, every rank loads"
         own = opt.state_dict()
-        out[stage] = {"rank0": attempt(lambda opt=opt, s0=saved[0]: opt.load_state_dict(s0)),
-                      "own": attempt(lambda opt=opt, own=own: opt.load_state_dict(own))}
+        out[stage] = {"rank0": error_message(lambda opt=opt, s0=saved[0]: opt.load_state_dict(s0)),
+                      "own": error_message(lambda opt=opt, own=own: opt.load_state_dict(own))}
     return out
 
 
@@ -258,7 +251,7 @@ def add_group(rank: int, world: int) -> dict:
         torch.manual_seed(SEED)
         model, opt = shard(W.deep_mlp(D, depth=3), stage, adam)
         extra = nn.Linear(D, D)
-        out[stage] = attempt(lambda opt=opt, extra=extra: opt.add_param_group(
+        out[stage] = error_message(lambda opt=opt, extra=extra: opt.add_param_group(
             {"params": list(extra.parameters()), "lr": 1e-3}))
     return out
 
@@ -280,7 +273,7 @@ def unfrozen(rank: int, world: int) -> dict:
             model[0].weight.requires_grad_(True)  # progressive unfreezing
             W.mse_loss(model, x).backward()
 
-        out[stage] = attempt(train_unfrozen)
+        out[stage] = error_message(train_unfrozen)
     return out
 
 
@@ -314,7 +307,7 @@ def batchnorm(rank: int, world: int) -> dict:
     for stage in range(4):
         torch.manual_seed(SEED)
         model, _ = shard(bn_mlp(), stage, adam)
-        refused[stage] = attempt(
+        refused[stage] = error_message(
             lambda model=model: W.mse_loss(model, W.rank_slice(batch(0), rank, world)))
     return {"frozen": frozen, "training": refused}
 
@@ -332,9 +325,9 @@ def small(rank: int, world: int) -> dict:
         W.mse_loss(model, W.rank_slice(batch(0), rank, world)).backward()
         mine.step()
 
-    return {"full_state_dict_str": attempt(lambda: full_state_dict("x")),
-            "zero_disagree": attempt(zero_disagree),
-            "zero_outside": attempt(zero_outside)}
+    return {"full_state_dict_str": error_message(lambda: full_state_dict("x")),
+            "zero_disagree": error_message(zero_disagree),
+            "zero_outside": error_message(zero_outside)}
 
 
 # ------------------------------------------------------------------- 8. buffers
@@ -414,7 +407,7 @@ def compiled(rank: int, world: int) -> dict:
         torch.manual_seed(SEED)
         model, _ = shard(W.deep_mlp(D, depth=3), 3, adam)
         fast = torch.compile(model, backend=backend)
-        refused[backend] = attempt(
+        refused[backend] = error_message(
             lambda fast=fast: W.mse_loss(fast, W.rank_slice(batch(0), rank, world)).backward())
     return {"stages": runs, "stage3": refused}
 
