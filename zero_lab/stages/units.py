@@ -5,7 +5,8 @@ FSDP wraps modules. `plan_units` decides which parameters each unit holds (a tie
 weight goes to the unit that encloses all its users); `Unit` keeps one unit's flat layout,
 this rank's slice of it, and the full buffer that exists only while the unit computes, with
 the three moves of its lifecycle: start the all-gather, finish it, release. zero3.py drives
-them from module and autograd hooks.
+them from module and autograd hooks. Between its calls a unit's parameters rest as their
+1-D pieces, guarded against reads that would take a piece for the parameter (at_rest.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import FlatParamGroup, allocate_storage, free_storage
+from zero_lab.stages.at_rest import label, rest, wake
 
 # Modules that only hold other modules: their children are the units, not they.
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -142,8 +144,12 @@ class Unit:
         self.local_views = self.pieces(local)
         self.work: dist.Work | None = None  # an all-gather in flight (prefetch)
         self.gathered = False
-        for p, piece in zip(self.params, self.local_views, strict=True):
+        for p, piece, name, shape in zip(self.params, self.local_views, group.names,
+                                         group.shapes, strict=True):
             p.data = piece
+            label(p, name, self.name, shape)
+            if not replicated:  # a replicated unit's parameters are whole: never a piece
+                rest(p)
 
     def pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
         """Each parameter's 1-D piece of a slice-sized tensor (the parameters, a gradient);
@@ -165,6 +171,7 @@ class Unit:
             self.work.wait()
         self.work = None
         for p, view in zip(self.params, self.full_views, strict=True):
+            wake(p)  # first: re-pointing a guarded parameter would pay the guard's call
             p.data = view
         self.gathered = True
 
@@ -182,6 +189,7 @@ class Unit:
             return
         for p, piece in zip(self.params, self.local_views, strict=True):
             p.data = piece
+            rest(p)
         free_storage(self.full)
 
     @property

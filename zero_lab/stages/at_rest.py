@@ -1,0 +1,180 @@
+"""Stage 3: a parameter read outside its unit's call is refused at the read.
+
+Between its unit's forward and backward, a stage-3 parameter *rests*: its `.data` is this
+rank's 1-D piece of it (units.py), which is what `model.parameters()` yields and what an
+optimizer updates. Code that reads a weight elsewhere would compute with that piece:
+
+    h / self.fc.weight.norm()                        # a parent's forward, fc is its own unit
+    loss + c * sum(p.pow(2).sum() for p in model.parameters())   # an L2 term in the loss
+    sum(p.norm() ** 2 for p in model.parameters())  # a weight norm logged under no_grad
+
+Without gradients that is silently wrong (each rank reads its own piece); with them autograd
+fails in backward ("PowBackward0 returned an invalid gradient"), far from the line at fault.
+torch's FSDP2 gets them right: its parameters at rest are DTensors, and an op on a DTensor
+gathers what it needs with a collective on every rank. Here such a read is refused at the op,
+with the parameter, its unit and what to do instead in the message.
+
+How. While its unit rests, a parameter's class is `ParameterAtRest`, a subclass of
+nn.Parameter (`p.__class__` is switched by units.py, back to nn.Parameter when the unit is
+gathered: the unit's own forward and backward run with no check at all). Its
+`__torch_function__`, which torch calls for every op that touches it, lets through only what
+is right on a piece:
+- looking at it: attributes (`.shape`, `.grad`, `.data`, `.requires_grad`, ...) and methods
+  that read no values (`numel()`, `detach()`, hook registration, ...);
+- updating it in place under no_grad (`p.copy_(...)`, `p.add_(...)`: `load_state_dict`, an
+  initialiser): every rank writes its own piece of the same update;
+- anything inside a torch optimizer's step (under no_grad, as torch's optimizers run): an
+  element-wise optimizer on the pieces is exact, which is why stage 3 hands it
+  `model.parameters()` (global optimizer-step hooks mark the step);
+- `p.data` (or `p.detach()`) is the piece as a plain tensor, for code that means the piece.
+Everything else (an out-of-place op, a reduction, a matmul, indexing) raises.
+
+Why not the other ways. A TorchFunctionMode active during the sharded model's forward would
+check every op of every forward (a Python call each), and would not see an L2 term computed
+after forward. Making the reads right, as FSDP2 does, would hide a collective inside
+`p.norm()` (every rank must then read the same weights in the same order) and need a path
+for the gradient back into the piece: DTensor's machinery, not a lesson's. The ways the
+message offers are exact today: `unit_classes` that keep the read weight inside the reading
+module's unit, `opt.clip_grad_norm_` for gradient norms, the optimizer's `weight_decay` for
+an L2 penalty (the same update for SGD; AdamW's decoupled decay is the usual choice), and
+`full_state_dict(model)` for weights read without gradients.
+
+Cost: nothing inside units; at rest, the stage's own looks at `.grad` (a few per parameter
+and step) each pay a Python call, and a class switch per gather and release. Measured on the
+bench model (tests/test_stage3_reads.py's docstring gives the numbers).
+"""
+
+from __future__ import annotations
+
+from types import MethodWrapperType
+
+import torch
+from torch import nn
+from torch._C import _disabled_torch_function_impl
+from torch.optim.optimizer import (
+    register_optimizer_step_post_hook,
+    register_optimizer_step_pre_hook,
+)
+
+LABEL_ATTR = "_zero_lab_at_rest"  # on a stage-3 parameter: (its name, its unit, full shape)
+
+# Attributes that are views of the values: reading one is a read of the parameter.
+VALUE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
+# Methods that read no values: shape, storage and autograd bookkeeping, printing.
+LOOKS = frozenset({
+    "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset",
+    "is_contiguous", "is_floating_point", "is_complex", "data_ptr", "untyped_storage",
+    "get_device", "requires_grad_", "retain_grad", "register_hook",
+    "register_post_accumulate_grad_hook", "detach", "__repr__",
+})
+
+
+class ParameterAtRest(nn.Parameter):
+    """A stage-3 parameter between its unit's calls: this rank's 1-D piece, guarded."""
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        if not _allowed(func, args):
+            raise RuntimeError(_refusal(func, args, kwargs or {}))
+        return _disabled_torch_function_impl(func, types, args, kwargs or {})
+
+
+def label(p: nn.Parameter, name: str, unit: str, shape: torch.Size) -> None:
+    """Remember what the refusal names: the parameter, its unit and its full shape."""
+    setattr(p, LABEL_ATTR, (name, unit, tuple(shape)))
+    _install_step_hooks()
+
+
+def rest(p: nn.Parameter) -> None:
+    """From now on `p` is its piece: guard it. (A parameter of a class of one's own, a
+    subclass of nn.Parameter, is left as it is.)"""
+    if type(p) is nn.Parameter:
+        p.__class__ = ParameterAtRest
+
+
+def wake(p: nn.Parameter) -> None:
+    """`p` is about to be the full parameter again: a plain nn.Parameter."""
+    if type(p) is ParameterAtRest:
+        p.__class__ = nn.Parameter
+
+
+# ------------------------------------------------------------------ what passes
+_steps_running = 0  # torch optimizer steps begun and not yet ended
+
+
+def _allowed(func, args) -> bool:
+    if type(func) is MethodWrapperType:  # an attribute: p.grad, p.data, p.shape, p.grad = g
+        return func.__self__.__name__ not in VALUE_ATTRIBUTES
+    if func.__name__ in LOOKS:
+        return True
+    if torch.is_grad_enabled():  # autograd would record a read of the piece
+        return False
+    return _steps_running > 0 or _writes_in_place(func, args)
+
+
+def _writes_in_place(func, args) -> bool:
+    """`p.add_(...)`, `p.copy_(...)`, `torch._foreach_mul_([p, ...], ...)`: p is written."""
+    name = func.__name__
+    if not name.endswith("_") or name.startswith("__") or not args:
+        return False
+    target = args[0]
+    if isinstance(target, (list, tuple)):
+        return any(isinstance(t, ParameterAtRest) for t in target)
+    return isinstance(target, ParameterAtRest)
+
+
+def _step_begins(*_args) -> None:
+    global _steps_running
+    _steps_running += 1
+
+
+def _step_ends(*_args) -> None:
+    # A step that raised never ends: its count stays up (no-grad reads pass) until a later
+    # step of any optimizer ends, which brings the count back.
+    global _steps_running
+    _steps_running = max(0, _steps_running - 1)
+
+
+_HOOKS: list = []
+
+
+def _install_step_hooks() -> None:
+    if not _HOOKS:
+        _HOOKS.append(register_optimizer_step_pre_hook(_step_begins))
+        _HOOKS.append(register_optimizer_step_post_hook(_step_ends))
+
+
+# ------------------------------------------------------------------ what is said
+def _resting(obj) -> ParameterAtRest | None:
+    """The first guarded parameter in an op's arguments (lists and dicts looked into)."""
+    if isinstance(obj, ParameterAtRest):
+        return obj
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    for item in items:
+        found = _resting(item)
+        if found is not None:
+            return found
+    return None
+
+
+def _refusal(func, args, kwargs) -> str:
+    p = _resting(args)
+    if p is None:  # (never `or`: the truth of a tensor is an op on it)
+        p = _resting(kwargs)
+    name, unit, shape = getattr(p, LABEL_ATTR, ("this parameter", "?", ()))
+    what = func.__self__.__name__ if type(func) is MethodWrapperType else func.__name__
+    elements = 1
+    for n in shape:
+        elements *= n
+    return (
+        f"{name} is read outside its unit's call ({what}): at stage 3 it holds only this "
+        f"rank's 1-D piece of itself outside the forward and backward of its unit '{unit}' "
+        f"({p.numel() if p is not None else '?'} of its {elements} elements, full shape "
+        f"{shape}), so this would compute with the piece: silently wrong without gradients, a "
+        "wrong-shaped gradient with them. Read a weight inside its unit's call (call the "
+        "module that owns it), or keep that module inside the unit of the module that reads "
+        "it: shard(..., unit_classes=(TheReadingModule,)). Instead of a norm of the "
+        "gradients: opt.clip_grad_norm_(max_norm) (torch's clip_grad_norm_(model.parameters(), "
+        "c) is routed to it); of an L2 penalty in the loss: the optimizer's weight_decay; of "
+        "weights read without gradients: full_state_dict(model), on every rank. Code that "
+        "means this rank's piece (element-wise, as an optimizer) can use p.data")
