@@ -202,3 +202,61 @@ def test_torch_compile_works_at_stages_0_to_2_and_is_refused_at_stage_3(ranks):
                 "RuntimeError: torch.compile of a model sharded at stage 3 is not supported: "
                 "stage 3 gathers and frees each unit's parameters in module hooks"), \
                 (backend, message)
+
+
+def test_a_rank_that_steps_once_more_is_named_on_every_rank(ranks):
+    """The last rank calls opt.step() twice at step 2. Stages 1-2 used to hang (its all-gather
+    met the others' reduce-scatter), stages 0 and 3 to train apart in silence. Now every rank
+    raises at the first collective after the extra step, naming the rank; at the very end,
+    full_state_dict() is where they meet."""
+    n, _ = ranks
+    found = runs(ranks, "lockstep_steps")
+    assert sorted({(r["stage"], r["when"]) for _, r in found}) == [
+        (s, w) for s in range(4) for w in ("end", "mid")]
+    for rank, r in found:
+        assert r["error"].startswith("the ranks left lockstep: "), (rank, r)
+        assert "every rank must call forward, backward and opt.step() the same number" \
+            in r["error"], (rank, r)
+        if r["stage"] < 3:  # the extra step checks before it would send: the phases differ
+            assert (f"rank {n - 1} is in an opt.step() with no backward since its last step "
+                    "(3 optimizer steps taken)") in r["error"], (rank, r)
+        else:  # stage 3's step sends nothing: the next check tells them apart by their count
+            doing = "ended a forward" if r["when"] == "mid" else "is in full_state_dict()"
+            assert f"rank {n - 1} {doing} (4 optimizer steps taken" in r["error"], (rank, r)
+            assert f"rank 0 {doing} (3 optimizer steps taken" in r["error"], (rank, r)
+        if r["when"] == "end":  # the extra step was the last: full_state_dict() meets it
+            assert "rank 0 is in full_state_dict() (3 optimizer steps taken)" in r["error"]
+        # Raised at the first collective after the extra step, never later.
+        if rank == n - 1 and r["stage"] < 3:
+            expected = "extra step 2"
+        else:
+            expected = "step 3" if r["when"] == "mid" else "full_state_dict"
+        assert r["where"] == expected, (rank, r)
+
+
+def test_a_rank_dependent_unit_order_at_stage_3_is_named_in_that_forward(ranks):
+    """From step 2, the last rank runs unit b before unit a (two units of one size, so their
+    all-gathers pair without an error). It used to compute with a mix of both and then
+    hang; the check at the end of forward raises in that forward, with both orders."""
+    n, _ = ranks
+    found = runs(ranks, "lockstep_order")
+    assert sorted(r["prefetch"] for _, r in found) == sorted([False, True] * n)
+    for rank, r in found:
+        assert r["where"] == "forward 2", (rank, r)
+        assert "the ranks ran the units of this forward in different orders" in r["error"]
+        assert "rank 0 ended a forward (2 optimizer steps taken; gathering a, b, head)" \
+            in r["error"], (rank, r)
+        assert (f"rank {n - 1} ended a forward (2 optimizer steps taken; gathering b, a, head)"
+                in r["error"]), (rank, r)
+
+
+def test_the_lockstep_check_is_one_control_record_a_step_apart_from_the_data(ranks):
+    """24 bytes a rank, once a step, at every stage; the ledger's records (and so every
+    volume the notebooks assert) hold the data collectives only."""
+    n, _ = ranks
+    found = runs(ranks, "lockstep_ledger")
+    for rank, r in found:
+        assert r["control"] == [["all_gather", 24 * n]], (rank, r)
+        assert r["ops"] == (["all_reduce"] if r["stage"] == 0
+                            else ["all_gather", "reduce_scatter"]), (rank, r)
+        assert f"(and 1 lockstep check(s) of {24 * n} bytes, not counted above)" in r["table"]

@@ -140,6 +140,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
            partial(build_zero_lab, stage=3, prefetch=False), "zero_lab st. 3\nno prefetch"),
     System("stage3_checked", "zero_lab stage 3, check_order=True",
            partial(build_zero_lab, stage=3, check_order=True), "zero_lab st. 3\ncheck_order"),
+    System("stage3_unchecked", "zero_lab stage 3, check_lockstep=False",
+           partial(build_zero_lab, stage=3, check_lockstep=False),
+           "zero_lab st. 3\nno lockstep check"),
     System("fsdp2", "torch FSDP2 (fully_shard)", build_fsdp2, "torch\nFSDP2"),
     # The same stages sending through torch's collectives (on gloo: its reduce-scatter is an
     # all-reduce in disguise; see collectives/exchange.py): what the direct exchange buys.

@@ -23,6 +23,12 @@ one launch per world size covers every case. The habits:
                    broadcast_buffers=True (its default) and False
 - compiled:        torch.compile(model) after shard(): stages 0-2 against one process (the
                    aot_eager backend: quick on CPU); stage 3 refused with the reason
+- lockstep_steps:  one rank calls opt.step() once more than the others, mid-training and at
+                   the very end (every rank raises, naming it, instead of a hang or a
+                   silent drift)
+- lockstep_order:  stage 3, a forward whose unit order depends on the rank, from its third
+                   step (every rank raises in that forward, naming both orders)
+- lockstep_ledger: the check a ledger sees: one control record a step, apart from the data
 - small:           full_state_dict("x"); the standalone ZeroRedundancyOptimizer checks that
                    the ranks agree and refuses a torch optimizer of one's own, as shard() does
 """
@@ -412,6 +418,93 @@ def compiled(rank: int, world: int) -> dict:
     return {"stages": runs, "stage3": refused}
 
 
+# ------------------------------------------------------- 9-10. ranks that leave lockstep
+EXTRA_STEP_AT = 2
+
+
+def lockstep_steps(rank: int, world: int) -> list[dict]:
+    """The last rank calls opt.step() twice at step EXTRA_STEP_AT (mid-training), or at the
+    last step followed by full_state_dict() (at the end): where each rank raised, and what."""
+    out = []
+    for stage in range(4):
+        for when in ("mid", "end"):
+            torch.manual_seed(SEED)
+            model, opt = shard(W.deep_mlp(D, depth=3), stage, adam, bucket_mb=BUCKET_MB)
+            last = STEPS - 1 if when == "mid" else EXTRA_STEP_AT
+            where = "finished"
+            try:
+                for step in range(last + 1):
+                    where = f"step {step}"
+                    W.mse_loss(model, W.rank_slice(batch(step), rank, world)).backward()
+                    opt.step()
+                    if rank == world - 1 and step == EXTRA_STEP_AT:
+                        where = f"extra step {step}"
+                        opt.step()
+                    opt.zero_grad()
+                where = "full_state_dict"
+                full_state_dict(model)
+                where, error = "finished", ""
+            except RuntimeError as exc:
+                error = str(exc)
+            out.append({"stage": stage, "when": when, "where": where, "error": error})
+    return out
+
+
+class TwinLayers(nn.Module):
+    """Two units of the same size: an all-gather of one pairs with the other's without a
+    size mismatch, so a rank-dependent order would compute with a mix of both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a, self.b, self.head = nn.Linear(D, D), nn.Linear(D, D), nn.Linear(D, D)
+        self.swap = False
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        first, second = (self.b, self.a) if self.swap else (self.a, self.b)
+        return self.head(torch.tanh(second(torch.tanh(first(x)))))
+
+
+def lockstep_order(rank: int, world: int) -> list[dict]:
+    """Stage 3: from step EXTRA_STEP_AT on, the last rank runs unit b before unit a."""
+    out = []
+    for prefetch in (True, False):
+        torch.manual_seed(SEED)
+        model, opt = shard(TwinLayers(), 3, adam, prefetch=prefetch)
+        where, error = "finished", ""
+        try:
+            for step in range(STEPS):
+                model.swap = rank == world - 1 and step >= EXTRA_STEP_AT
+                where = f"forward {step}"
+                loss = W.mse_loss(model, W.rank_slice(batch(step), rank, world))
+                where = f"backward {step}"
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+        except RuntimeError as exc:
+            error = str(exc)
+        out.append({"prefetch": prefetch, "where": where, "error": error})
+    return out
+
+
+def lockstep_ledger(rank: int, world: int) -> list[dict]:
+    """What a CommLedger sees of the check in one training step, at every stage."""
+    from zero_lab.collectives import CommLedger
+
+    out = []
+    for stage in range(4):
+        torch.manual_seed(SEED)
+        model, opt = shard(W.deep_mlp(D, depth=3), stage, adam, bucket_mb=BUCKET_MB)
+        for step in range(2):  # the second step is the one recorded
+            with CommLedger() as ledger:
+                W.mse_loss(model, W.rank_slice(batch(step), rank, world)).backward()
+                opt.step()
+                opt.zero_grad()
+        out.append({"stage": stage, "ops": sorted({r.op for r in ledger.records}),
+                    "control": [(r.op, r.nbytes) for r in ledger.control],
+                    "table": ledger.table()})
+    return out
+
+
 CASES = {
     "backward_raises": backward_raises,
     "torch_clip": torch_clip,
@@ -425,6 +518,9 @@ CASES = {
     "small": small,
     "buffers": buffers,
     "compiled": compiled,
+    "lockstep_steps": lockstep_steps,
+    "lockstep_order": lockstep_order,
+    "lockstep_ledger": lockstep_ledger,
 }
 
 

@@ -82,6 +82,9 @@ class CommLedger(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[CommRecord] = []
+        # Control messages, kept apart from the data: the stages' lockstep check (a few
+        # bytes a step, stages/lockstep.py). Not in count(), total_bytes() or volume().
+        self.control: list[CommRecord] = []
         self._muted = 0  # > 0 inside `recorded_as`: the messages are already accounted for
 
     def __enter__(self) -> CommLedger:
@@ -151,10 +154,14 @@ class CommLedger(TorchDispatchMode):
                          f"{r.sent_bytes:>15,.0f}  {where.strip()}")
         lines.append(f"{'total':<15}{'':>12}{'':>10}{self.payload_bytes():>14,}"
                      f"{self.total_bytes():>15,.0f}")
+        if self.control:
+            lines.append(f"(and {len(self.control)} lockstep check(s) of "
+                         f"{sum(r.nbytes for r in self.control):,} bytes, not counted above)")
         return "\n".join(lines)
 
     def clear(self) -> None:
         self.records.clear()
+        self.control.clear()
 
 
 # How each c10d / functional op maps to a collective: (name, argument holding the full message,
@@ -275,6 +282,25 @@ def recorded_as(op: str, tensor: torch.Tensor, group_size: int,
     for ledger in ledgers:
         ledger.records.append(_record(op, [tensor], group_size, async_op, in_backward,
                                       "zero_lab.collectives.exchange"))
+        ledger._muted += 1
+    try:
+        yield
+    finally:
+        for ledger in ledgers:
+            ledger._muted -= 1
+
+
+@contextmanager
+def control_message(tensor: torch.Tensor, group_size: int) -> Iterator[None]:
+    """Inside the block, active ledgers put the collective in `ledger.control`, apart from the
+    records: the stages' lockstep check (stages/lockstep.py) sends a few bytes a step to
+    compare where the ranks are, which is not the data whose volume the ZeRO paper counts.
+    `tensor` is the full message (the all-gather's output)."""
+    in_backward = torch._C._current_graph_task_id() != -1
+    ledgers = list(_ACTIVE_LEDGERS)
+    for ledger in ledgers:
+        ledger.control.append(_record("all_gather", [tensor], group_size, False, in_backward,
+                                      "zero_lab.stages.lockstep"))
         ledger._muted += 1
     try:
         yield

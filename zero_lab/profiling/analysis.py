@@ -39,7 +39,7 @@ from collections import defaultdict
 from collections.abc import Iterable
 
 from zero_lab.profiling import intervals as iv
-from zero_lab.profiling.marks import WAIT
+from zero_lab.profiling.marks import LOCKSTEP_CHECK, WAIT
 from zero_lab.profiling.trace import Event, Trace, is_collective_mark
 
 CATEGORIES = ("compute", "optimizer", "exposed_comm", "idle")  # they sum to the step
@@ -155,12 +155,15 @@ def collectives(trace: Trace) -> list[dict]:
     "start", "step"}.
 
     zero_lab's marks are read first; torch ops inside them are the same collective (the
-    direct exchange's isend/irecv, or torch's collective) and are not counted again.
+    direct exchange's isend/irecv, or torch's collective) and are not counted again. The
+    lockstep check ("check / lockstep", 24 bytes a rank) is control, not data: left out, as
+    the CommLedger leaves it out of its records.
     """
     out = []
     events = sorted(trace.events, key=lambda e: (e.start, -e.end))
     marks = [e for e in events if is_collective_mark(e.name)]
-    ops = [e for e in events if e.name in _TORCH_OPS]
+    checks = [e for e in events if e.name == LOCKSTEP_CHECK]  # control, not data: skipped
+    ops = [e for e in events if e.name in _TORCH_OPS and not any(_inside(e, c) for c in checks)]
     # A torch op inside another is the same call seen twice (a dispatch mode such as the
     # CommLedger re-dispatches it): keep the outer one.
     ops = [e for e in ops if not any(o is not e and _inside(e, o) for o in ops)]

@@ -11,6 +11,8 @@ A trace of `shard(model, stage)` reads like the lesson:
     optimizer step              ShardedOptimizer.step(): the update and, at stages 1-2,
                                 the all-gather of the updated slices
     zero_grad
+    check / lockstep            the ranks compare where they are, once a step (lockstep.py):
+                                control, not data; not counted among the collectives
 
 `mark(name)` is `torch.profiler.record_function(name)` when a profiler is recording and a
 shared do-nothing context otherwise: a record_function costs ~5 us even when nobody listens,
@@ -29,6 +31,7 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "broadcast")  # iss
 WAIT = "wait / "  # prefix of the marks that wait for a collective issued earlier
 OPTIMIZER_STEP = "optimizer step"
 ZERO_GRAD = "zero_grad"
+LOCKSTEP_CHECK = "check / lockstep"
 
 _NOTHING = contextlib.nullcontext()
 

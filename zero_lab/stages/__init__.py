@@ -45,6 +45,7 @@ from zero_lab.stages.buffers import BufferSync
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.loading import route_loading
+from zero_lab.stages.lockstep import Lockstep
 from zero_lab.stages.mixed_precision import COMPUTE_DTYPES, to_compute_dtype
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
@@ -86,6 +87,7 @@ def shard(
     root_params: str = "shard",
     check_order: bool = False,
     broadcast_buffers: bool = True,
+    check_lockstep: bool = True,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
@@ -114,14 +116,19 @@ def shard(
     (3Ψ per step instead of 2Ψ). `check_order=True` (stage 3, a debug aid) checks before every
     all-gather that all ranks gather the same unit. `broadcast_buffers`, as in torch's DDP
     (its default): before every training forward, rank 0's buffers go to every rank, when
-    some changed (buffers.py). Needs an initialised default process group; call it on every
-    rank: the ranks first check they were all given the same model and settings (one small
-    all-gather), and refuse together if not.
+    some changed (buffers.py). `check_lockstep` (on by default): once a step the ranks check,
+    with one all-gather of 24 bytes a rank, that they have taken the same number of
+    optimizer steps and, at stage 3, gathered the units of the forward in the same order;
+    if not, every rank raises, naming the ranks (lockstep.py). Needs an initialised default
+    process group; call it on every rank: the ranks first check they were all given the
+    same model and settings (one small all-gather), and refuse together if not.
     """
     _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
                      unit_classes, find_unused_parameters, check_order, root_params)
     if not isinstance(broadcast_buffers, bool):
         raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
+    if not isinstance(check_lockstep, bool):
+        raise TypeError(f"check_lockstep must be True or False, got {check_lockstep!r}")
     _check_model(model)
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
@@ -130,7 +137,7 @@ def shard(
     _check_ranks_agree(model, plan, stage=stage, precision=precision, transport=transport,
                        bucket_mb=bucket_mb, prefetch=prefetch, zero1_variant=zero1_variant,
                        find_unused_parameters=find_unused_parameters, check_order=check_order,
-                       broadcast_buffers=broadcast_buffers,
+                       broadcast_buffers=broadcast_buffers, check_lockstep=check_lockstep,
                        unit_classes=[getattr(c, "__qualname__", repr(c))
                                      for c in unit_classes or []], root_params=root_params)
     compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
@@ -181,10 +188,14 @@ def shard(
     else:
         sync = DataParallel(groups, find_unused_parameters=unused)
     sync.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
+    # Nothing is sent with transport="none" (a compute-only twin), so nothing to check.
+    sync.lockstep = Lockstep(groups[0].process_group, groups[0].device,
+                             enabled=check_lockstep and transport != "none")
     opt = ShardedOptimizer(sync, plan, masters or None)
     setattr(model, SHARDED_ATTR, opt)
     if broadcast_buffers and any(True for _ in model.buffers()):
-        setattr(model, BUFFERS_ATTR, BufferSync(model))
+        setattr(model, BUFFERS_ATTR,
+                BufferSync(model, before_send=partial(sync.before_first_collective, "buffers")))
     # model.load_state_dict(W) reaches the fp32 masters and stage 3's pieces; stage 3's
     # model.state_dict() (this rank's pieces) is refused with what to use instead.
     route_loading(model, sync, opt.master_weights)
@@ -213,6 +224,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     owner = getattr(model, SHARDED_ATTR, None)
     if owner is None:
         return {name: t.detach().clone() for name, t in model.state_dict().items()}
+    owner.sync.check_lockstep("state")  # a rank that stepped once more would differ
     buffers = getattr(model, BUFFERS_ATTR, None)
     if buffers is not None:
         buffers.sync()  # rank 0's buffers, as the next training forward would see them

@@ -17,6 +17,8 @@ rank. With `broadcast_buffers=False` each rank keeps its own, as in DDP with tha
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -25,8 +27,10 @@ from torch import nn
 class BufferSync:
     """Rank 0's buffers to every rank before each training forward, when they changed."""
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, before_send: Callable[[], None] | None = None
+                 ) -> None:
         self.model = model
+        self.before_send = before_send  # the stage's lockstep check (lockstep.py)
         self._seen = self._state()  # shard() has just broadcast them
         model.register_forward_pre_hook(self._before_forward)
 
@@ -44,6 +48,8 @@ class BufferSync:
         broadcast per dtype, the buffers packed into one flat tensor."""
         if self._state() == self._seen:
             return
+        if self.before_send is not None:
+            self.before_send()
         by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
         for b in self.model.buffers():
             by_dtype.setdefault(b.dtype, []).append(b)

@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import FlatParamGroup
+from zero_lab.stages.lockstep import Lockstep
 
 
 def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], None]:
@@ -105,6 +106,11 @@ class GradientSync:
         # Parameters frozen when shard() ran: outside the flat groups, never averaged nor
         # stepped. One unfrozen later is refused at the end of the next backward.
         self.frozen: list[tuple[str, nn.Parameter]] = []
+        # The ranks check once a step that they are still in lockstep (lockstep.py); shard()
+        # sets `lockstep` (None: never checked, as for a stage built by hand).
+        self.lockstep: Lockstep | None = None
+        self.steps_taken = 0  # optimizer steps so far
+        self._checked_this_step = False
         self._hook_handles: list = []
         for g, group in enumerate(groups):
             for i, p in enumerate(group.params):
@@ -153,21 +159,47 @@ class GradientSync:
             g = order[self._handed_over]
             if self._ready_params[g] < len(self.groups[g].params):
                 return  # later groups wait for this one: every rank keeps the same order
-            self.on_group_ready(g)
-            self._handed_over += 1
+            self._hand_over(g)
+
+    def _hand_over(self, g: int) -> None:
+        if self._handed_over == 0:
+            self.before_first_collective("backward")
+        self.on_group_ready(g)
+        self._handed_over += 1
 
     def _on_backward_done(self) -> None:
         self._refuse_unfrozen()
         # Groups still waiting hold parameters that got no gradient in this backward (unused
         # this step): their gradient is zero, and every rank must still join the collective.
         while self._handed_over < len(self.handover_order):
-            self.on_group_ready(self.handover_order[self._handed_over])
-            self._handed_over += 1
+            self._hand_over(self.handover_order[self._handed_over])
         self.on_backward_end()
         self._agree_on_grads()
         self._ready_params = [0] * len(self.groups)
         self._handed_over = 0
         self._callback_queued = False
+
+    # ------------------------------------------------------------------ lockstep
+    def check_lockstep(self, phase: str, fingerprint: int = 0, detail=None) -> None:
+        """Every rank compares (phase, steps taken, fingerprint); all raise if they differ."""
+        if self.lockstep is not None:
+            self.lockstep.check(phase, self.steps_taken, fingerprint, detail)
+
+    def before_first_collective(self, phase: str) -> None:
+        """Stages 0-2: the first collective of this step is about to go out (a backward's
+        first bucket, changed buffers, or a step's all-gather when no backward came since
+        the last step): check the ranks are in lockstep first, once a step. A rank that
+        drifted meets the others' check with its own, so the check cannot pair wrongly."""
+        if not self._checked_this_step:
+            self._checked_this_step = True
+            self.check_lockstep(phase)
+
+    def step_starts(self) -> None:
+        self.before_first_collective("step")
+
+    def step_ends(self) -> None:
+        self.steps_taken += 1
+        self._checked_this_step = False
 
     def _refuse_unfrozen(self) -> None:
         unfrozen = [name for name, p in self.frozen if p.requires_grad]

@@ -214,6 +214,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _step(self) -> None:
         """The update of this rank's slices (and, at stages 1-2, their all-gather)."""
+        self.sync.step_starts()  # a step with no backward since the last: lockstep check
         self.sync.before_step()
         if self.master_weights is not None:
             # bf16 gradient slice -> fp32, applied to the fp32 master (transient copy).
@@ -233,6 +234,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 p.copy_(master)  # round the updated master into the bf16 parameters
                 master.grad = None
         self.sync.after_step()  # stages 1-2: all-gather every rank's updated slice
+        self.sync.step_ends()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         with mark(ZERO_GRAD):

@@ -82,6 +82,7 @@ from torch import nn
 
 from zero_lab.partition import FlatParamGroup
 from zero_lab.profiling.marks import Span
+from zero_lab.stages.lockstep import order_fingerprint
 from zero_lab.stages.units import Unit, plan_units
 from zero_lab.stages.zero2 import Zero2
 
@@ -107,6 +108,8 @@ class Zero3(Zero2):
         self.forward_order: list[int] | None = None  # recorded on the first forward
         self.backward_order: list[int] | None = None  # recorded on the first backward
         self._forward_record: list[int] | None = None
+        self._gathers: list[int] | None = None  # units this forward gathered, in order
+        self._position, self._derailed = 0, False
         self._backward_record: list[int] = []
         self._next: dict[str, dict[int, int]] = {"forward": {}, "backward": {}}
         self._grads_taken = [False] * len(units)
@@ -134,6 +137,8 @@ class Zero3(Zero2):
         if unit.work is None:
             if self.check_order:
                 self._check_same_unit(u)
+            if self._gathers is not None:
+                self._gathers.append(u)
             self._event("gather", u)
             unit.start_gather()
         if wait:
@@ -185,6 +190,8 @@ class Zero3(Zero2):
             _refuse_compile()
         if self.forward_order is None and self._forward_record is None:
             self._forward_record = []
+        self._gathers = []
+        self._position, self._derailed = 0, False  # where this forward is in forward_order
         if root is not None:
             self._pre_forward(root, module, args)
 
@@ -195,8 +202,25 @@ class Zero3(Zero2):
         if self._forward_record is not None and u not in self._forward_record:
             self._forward_record.append(u)
         self.gather(u)
-        self._prefetch("forward", u)
+        if self._follows_recorded_order(u):
+            self._prefetch("forward", u)
         self._open_span("forward", u)
+
+    def _follows_recorded_order(self, u: int) -> bool:
+        """Is this forward still running its units in the order the first one recorded?
+        Prefetch only while it does: a forward that takes another path (on one rank only,
+        say) then gathers each unit when it is called, so every rank still issues one
+        all-gather per unit call, and the lockstep check at the end of forward can compare
+        the orders instead of every rank hanging on an all-gather the others never issue."""
+        order = self.forward_order
+        if order is None or self._derailed:
+            return order is None
+        if self._position < len(order) and order[self._position] == u:
+            self._position += 1
+            return True
+        if u not in order[:self._position]:  # not a second call of a unit: another path
+            self._derailed = True
+        return False
 
     def _post_forward(self, u: int, module: nn.Module, args, output) -> None:
         if _in_backward():  # a recomputation inside the unit's backward: keep it gathered
@@ -221,6 +245,21 @@ class Zero3(Zero2):
             # Reduce-scatters go out in the order backward completes units: the reverse.
             unused = [u for u in range(len(self.units)) if u not in order]
             self.handover_order = order[::-1] + unused
+        self._check_forward_lockstep()
+
+    def _check_forward_lockstep(self) -> None:
+        """Stage 3's lockstep check (lockstep.py), once per forward: the ranks compare their
+        steps taken and the order this forward gathered its units in. An order that depends
+        on the rank paired each unit's all-gather with another unit's: raise now, before
+        backward pairs more of them."""
+        gathers, self._gathers = self._gathers or [], None
+        self.check_lockstep("forward", order_fingerprint(gathers),
+                            detail=lambda: "gathering " + ", ".join(
+                                self.units[u].name for u in gathers))
+
+    def before_first_collective(self, phase: str) -> None:
+        """Stage 3 checks at the end of every forward instead (_check_forward_lockstep): its
+        steps send nothing, and its forward gathers before any other collective of a step."""
 
     # ------------------------------------------------------------------ backward
     def _pre_backward(self, u: int, _grad: torch.Tensor) -> None:

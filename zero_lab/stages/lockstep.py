@@ -1,0 +1,110 @@
+"""The ranks move in lockstep, or every rank says which one did not.
+
+Data parallelism pairs the ranks' collectives by their order: the k-th collective of rank 0
+meets the k-th of rank 1. A training loop that lets the ranks drift apart breaks the pairing
+without a word:
+
+- one rank calls `opt.step()` once more than the others (a condition on rank-local data,
+  a retry): at stages 1-2 its all-gather meets the others' next reduce-scatter and everyone
+  hangs; at stages 0 and 3 the step sends nothing, so the ranks train on, apart, in silence;
+- at stage 3, a forward whose units run in a rank-dependent order: each unit's all-gather
+  meets another unit's on the other rank (of the same size, it succeeds), every rank computes
+  with a mix of two layers' weights, and the next collective of another size hangs.
+
+So once per step the ranks compare where they are, with one all-gather of three integers
+(24 bytes a rank): what they are about to do (`PHASES`), how many optimizer steps they have
+taken, and, at stage 3, a fingerprint of the order this forward ran its units in. If any
+rank differs, every rank raises the same error naming the ranks and what each was doing,
+in the step where it happened, before the next collective could pair wrongly.
+
+Where the check goes, so that a rank that drifted still meets the others' check:
+- stages 0-2: before the first collective of each step (the first gradient bucket handed
+  over in backward, a broadcast of changed buffers before forward, or, in an `opt.step()`
+  with no backward since the last step, before the step's all-gather). A rank stepping once
+  more checks in that extra step; the others check at their next backward: the two checks
+  meet, and the phases differ.
+- stage 3: at the end of every forward, after its units were gathered in its order (the
+  steps send nothing, so an extra step is seen at the next forward by its count).
+
+It costs one small blocking all-gather a step (about the latency of one collective; `make
+bench` measures it against stage 3 with `check_lockstep=False`). A CommLedger keeps it apart
+from the data (`ledger.control`), so volumes stay the ZeRO paper's; a profiler trace names it
+"check / lockstep". torch's DDP and FSDP2 do not check this (they hang, or train apart);
+`shard(..., check_lockstep=False)` turns it off, and stage 3's `check_order=True` stays the
+finer debug aid (a check before every all-gather).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+
+from zero_lab.collectives.ledger import control_message
+from zero_lab.profiling.marks import LOCKSTEP_CHECK, mark
+
+# What a rank is about to do when it checks (the first integer it sends).
+PHASES = {"forward": 1, "backward": 2, "step": 3, "buffers": 4, "state": 5}
+_DOING = {
+    "forward": "ended a forward",
+    "backward": "started a backward",
+    "step": "is in an opt.step() with no backward since its last step",
+    "buffers": "started a training forward",
+    "state": "is in full_state_dict()",
+}
+
+
+def order_fingerprint(order: list[int]) -> int:
+    """One integer for a sequence of unit indices (Python's hash of a tuple of ints is the
+    same in every process: only str and bytes hashes are salted)."""
+    return hash(tuple(order))
+
+
+class Lockstep:
+    """Compare (phase, steps taken, fingerprint) across the ranks of one process group."""
+
+    def __init__(self, process_group, device: torch.device, enabled: bool = True) -> None:
+        self.process_group = process_group
+        self.device = device
+        self.world_size = dist.get_world_size(process_group)
+        self.enabled = enabled and self.world_size > 1
+
+    def check(self, phase: str, steps: int, fingerprint: int = 0,
+              detail: Callable[[], str] | None = None) -> None:
+        """Raise RuntimeError on every rank if the ranks differ. `detail()` says in words
+        what the fingerprint stands for (stage 3: the units in the order they ran); it is
+        called, and its text gathered from every rank, only when the ranks differ."""
+        if not self.enabled:
+            return
+        mine = torch.tensor([PHASES[phase], steps, fingerprint], dtype=torch.int64,
+                            device=self.device)
+        everyone = mine.new_empty(self.world_size * 3)
+        with mark(LOCKSTEP_CHECK), control_message(everyone, self.world_size):
+            dist.all_gather_single(everyone, mine, group=self.process_group)
+        rows = [tuple(row) for row in everyone.view(self.world_size, 3).tolist()]
+        if all(row == rows[0] for row in rows):
+            return
+        # Every rank found the same difference, so every rank joins this second gather.
+        details: list = [None] * self.world_size
+        dist.all_gather_object(details, detail() if detail else "", group=self.process_group)
+        raise RuntimeError(_disagreement(rows, details))
+
+
+def _disagreement(rows: list[tuple[int, int, int]], details: list[str]) -> str:
+    names = {code: name for name, code in PHASES.items()}
+    ranks = "; ".join(
+        f"rank {r} {_DOING[names[phase]]} ({steps} optimizer steps taken"
+        + (f"; {detail})" if detail else ")")
+        for r, ((phase, steps, _), detail) in enumerate(zip(rows, details, strict=True)))
+    if len({row[1] for row in rows}) > 1 or len({row[0] for row in rows}) > 1:
+        why = ("the ranks have taken different numbers of optimizer steps, or one steps "
+               "where another computes: every rank must call forward, backward and "
+               "opt.step() the same number of times, in the same order (no rank-dependent "
+               "`if` around them)")
+    else:
+        why = ("the ranks ran the units of this forward in different orders: at stage 3 each "
+               "unit's all-gather meets the same-numbered all-gather on the other ranks, so "
+               "every rank must call the same units in the same order (no rank-dependent "
+               "control flow around units)")
+    return f"the ranks left lockstep: {ranks}. {why}"
