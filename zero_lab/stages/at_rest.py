@@ -46,6 +46,7 @@ bench model (tests/test_stage3_reads.py's docstring gives the numbers).
 
 from __future__ import annotations
 
+import math
 from types import MethodWrapperType
 
 import torch
@@ -56,7 +57,7 @@ from torch.optim.optimizer import (
     register_optimizer_step_pre_hook,
 )
 
-LABEL_ATTR = "_zero_lab_at_rest"  # on a stage-3 parameter: (its name, its unit, full shape)
+LABEL_ATTR = "_zero_lab_at_rest"  # on a stage-3 parameter: (name, unit, full shape, slice)
 
 # Attributes that are views of the values: reading one is a read of the parameter.
 VALUE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
@@ -74,14 +75,21 @@ class ParameterAtRest(nn.Parameter):
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
         if not _allowed(func, args):
-            raise RuntimeError(_refusal(func, args, kwargs or {}))
-        return _disabled_torch_function_impl(func, types, args, kwargs or {})
+            p = _piece_in(args)
+            if p is None:
+                p = _piece_in(kwargs)
+            if p is not None:
+                raise RuntimeError(_refusal(func, p))
+        return _disabled_torch_function_impl(func, types, args, kwargs)
 
 
-def label(p: nn.Parameter, name: str, unit: str, shape: torch.Size) -> None:
-    """Remember what the refusal names: the parameter, its unit and its full shape."""
-    setattr(p, LABEL_ATTR, (name, unit, tuple(shape)))
+def label(p: nn.Parameter, name: str, unit: str, shape: torch.Size,
+          local: torch.Tensor) -> None:
+    """Remember what the refusal names (the parameter, its unit, its full shape) and the
+    unit's slice `local`, whose storage a parameter at rest is a piece of."""
+    setattr(p, LABEL_ATTR, (name, unit, tuple(shape), local))
     _install_step_hooks()
 
 
@@ -145,36 +153,37 @@ def _install_step_hooks() -> None:
 
 
 # ------------------------------------------------------------------ what is said
-def _resting(obj) -> ParameterAtRest | None:
-    """The first guarded parameter in an op's arguments (lists and dicts looked into)."""
+def _piece_in(obj) -> ParameterAtRest | None:
+    """The first guarded parameter in an op's arguments (lists and dicts looked into) that is
+    its piece. (Code that re-points `.data` itself, as notebook 05's exercises do with a
+    bare unit, makes the parameter whole without the stage's `wake`: then it passes.)"""
     if isinstance(obj, ParameterAtRest):
-        return obj
+        local = getattr(obj, LABEL_ATTR)[3]
+        with torch._C.DisableTorchFunctionSubclass():
+            mine = obj.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
+        return obj if mine else None
     items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
     for item in items:
-        found = _resting(item)
-        if found is not None:
+        found = _piece_in(item)
+        if found is not None:  # (never `or`: the truth of a tensor is an op on it)
             return found
     return None
 
 
-def _refusal(func, args, kwargs) -> str:
-    p = _resting(args)
-    if p is None:  # (never `or`: the truth of a tensor is an op on it)
-        p = _resting(kwargs)
-    name, unit, shape = getattr(p, LABEL_ATTR, ("this parameter", "?", ()))
+def _refusal(func, p: ParameterAtRest) -> str:
+    name, unit, shape, _ = getattr(p, LABEL_ATTR)
     what = func.__self__.__name__ if type(func) is MethodWrapperType else func.__name__
-    elements = 1
-    for n in shape:
-        elements *= n
+    with torch._C.DisableTorchFunctionSubclass():
+        numel = p.numel()
     return (
         f"{name} is read outside its unit's call ({what}): at stage 3 it holds only this "
         f"rank's 1-D piece of itself outside the forward and backward of its unit '{unit}' "
-        f"({p.numel() if p is not None else '?'} of its {elements} elements, full shape "
-        f"{shape}), so this would compute with the piece: silently wrong without gradients, a "
-        "wrong-shaped gradient with them. Read a weight inside its unit's call (call the "
-        "module that owns it), or keep that module inside the unit of the module that reads "
-        "it: shard(..., unit_classes=(TheReadingModule,)). Instead of a norm of the "
-        "gradients: opt.clip_grad_norm_(max_norm) (torch's clip_grad_norm_(model.parameters(), "
-        "c) is routed to it); of an L2 penalty in the loss: the optimizer's weight_decay; of "
-        "weights read without gradients: full_state_dict(model), on every rank. Code that "
-        "means this rank's piece (element-wise, as an optimizer) can use p.data")
+        f"({numel} of its {math.prod(shape)} elements, full shape {shape}), so this would "
+        "compute with the piece: silently wrong without gradients, a wrong-shaped gradient "
+        "with them. Read a weight inside its unit's call (call the module that owns it), or "
+        "keep that module inside the unit of the module that reads it: shard(..., "
+        "unit_classes=(TheReadingModule,)). Instead of a norm of the gradients: "
+        "opt.clip_grad_norm_(max_norm) (torch's clip_grad_norm_(model.parameters(), c) is "
+        "routed to it); of an L2 penalty in the loss: the optimizer's weight_decay; of weights "
+        "read without gradients: full_state_dict(model), on every rank. Code that means this "
+        "rank's piece (element-wise, as an optimizer) can use p.data")

@@ -147,7 +147,7 @@ class Unit:
         for p, piece, name, shape in zip(self.params, self.local_views, group.names,
                                          group.shapes, strict=True):
             p.data = piece
-            label(p, name, self.name, shape)
+            label(p, name, self.name, shape, local)
             if not replicated:  # a replicated unit's parameters are whole: never a piece
                 rest(p)
 
