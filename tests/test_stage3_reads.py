@@ -8,9 +8,12 @@ the read, naming the parameter and its unit; what worked keeps training as one p
 from __future__ import annotations
 
 import pytest
+import torch
 from common import worker_reports
+from torch import nn
 
 from zero_lab.paths import REPO_ROOT
+from zero_lab.stages import at_rest
 
 WORKER = REPO_ROOT / "tests" / "workers" / "stage3_reads.py"
 FP32_ATOL = 1e-6  # fp32 weights after a few Adam steps (the contract tests measure ~2e-7)
@@ -92,3 +95,57 @@ def test_tied_checkpointed_clipped_loaded_and_saved_as_before(ranks):
             assert r["after_checkpoint"] == 0.0, (rank, r)
             bound = FP32_ATOL if r["precision"] == "fp32" else BF16_ATOL
             assert r["max_abs_diff"] <= bound, (rank, r)
+
+
+# ------------------------------------------------------------------ the guard, in one process
+def resting(values: torch.Tensor, full_shape: tuple[int, ...]) -> nn.Parameter:
+    """A parameter at rest as units.py leaves it: its .data a piece of a unit's slice."""
+    local = torch.cat([torch.zeros(1), values, torch.zeros(2)])  # this rank's slice
+    p = nn.Parameter(torch.empty(full_shape))
+    p.data = local[1:1 + values.numel()]
+    at_rest.label(p, "fc.weight", "fc", torch.Size(full_shape), local)
+    at_rest.rest(p)
+    return p
+
+
+def test_the_guard_refuses_reads_and_lets_looks_updates_and_optimizers_through():
+    p = resting(torch.arange(3.0), (2, 3))
+    with pytest.raises(RuntimeError) as info:
+        p.norm()
+    assert_refused(f"RuntimeError: {info.value}", "fc.weight", "fc", "norm")
+    assert "(3 of its 6 elements, full shape (2, 3))" in str(info.value)
+    for read in (lambda: p * 2, lambda: p[0], lambda: p.T, lambda: torch.nn.functional.linear(
+            torch.ones(1, 3), p), lambda: p.clone()):
+        with pytest.raises(RuntimeError, match="fc.weight is read outside its unit's call"):
+            read()
+        with torch.no_grad(), pytest.raises(RuntimeError, match="outside its unit's call"):
+            read()
+    # Looks: no value read.
+    assert p.shape == (3,) and p.numel() == 3 and p.grad is None and p.requires_grad
+    p.grad = torch.ones(3)
+    assert torch.equal(p.detach(), torch.arange(3.0)) and torch.equal(p.data, torch.arange(3.0))
+    # Updates in place under no_grad: the piece takes them.
+    with torch.no_grad():
+        p.mul_(2).add_(1)
+        torch._foreach_add_([p], 1.0)
+    assert torch.equal(p.data, torch.tensor([2.0, 4.0, 6.0]))
+    # A torch optimizer's step (Adam with weight decay reads p out of place).
+    torch.optim.Adam([p], lr=0.5, weight_decay=0.1).step()
+    assert not torch.equal(p.data, torch.tensor([2.0, 4.0, 6.0]))
+    # Whole again (the stage's wake, or .data re-pointed by code of one's own): anything goes.
+    p.data = torch.ones(2, 3)
+    assert p.norm().item() == pytest.approx(6 ** 0.5)
+    at_rest.wake(p)
+    assert type(p) is nn.Parameter
+
+
+def test_assert_refused_rejects_what_the_reads_did_before():
+    """Negative controls: the loss of a silent read, autograd's error, a refusal without the
+    way out."""
+    before = [{"loss_diff": 0.0022},
+              "RuntimeError: Function PowBackward0 returned an invalid gradient at index 0 - "
+              "got [0] but expected shape compatible with [9]",
+              refusal("fc.weight", "fc", "norm") + " and nothing to do about it"]
+    for found in before:
+        with pytest.raises(AssertionError):
+            assert_refused(found, "fc.weight", "fc", "norm")

@@ -39,9 +39,13 @@ module's unit, `opt.clip_grad_norm_` for gradient norms, the optimizer's `weight
 an L2 penalty (the same update for SGD; AdamW's decoupled decay is the usual choice), and
 `full_state_dict(model)` for weights read without gradients.
 
-Cost: nothing inside units; at rest, the stage's own looks at `.grad` (a few per parameter
-and step) each pay a Python call, and a class switch per gather and release. Measured on the
-bench model (tests/test_stage3_reads.py's docstring gives the numbers).
+Cost: nothing inside a unit's call (its parameters are plain nn.Parameters then). At rest,
+each look the stage itself takes at `.grad` (3 per parameter and step, in zero3.py) pays one
+Python call, and every gather and release switches each parameter's class. On the bench
+model (6 x Linear(1024), stage 3, 2 CPU ranks) that is 36 calls x 8.7-9.4 us + 48 switches
+x 0.4 us = 0.33-0.36 ms per step of 300 ms (0.11-0.12%), measured on a 2-core machine
+under load; a wall-clock A/B of the whole step there is noise (-13%..+34%, median +3.6%).
+A parameter of a class of one's own (a subclass of nn.Parameter) is not guarded.
 """
 
 from __future__ import annotations
