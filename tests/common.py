@@ -1,29 +1,48 @@
-"""Shared by test_stages.py and test_partition.py: one launch of the stage-case worker per
-world size, cached for the whole test session (each launch costs a few seconds)."""
+"""Shared by the tests of the case workers: one launch per (worker, world size), cached for
+the whole test session (each launch costs seconds before a rank runs anything).
+
+test_collectives.py, test_partition.py, test_stages.py and test_zero3.py read their parts of
+one launch per world size of tests/workers/world_cases.py (`case_reports`); test_contract.py
+and test_contract_habits.py launch their own workers (`worker_reports`)."""
 
 from __future__ import annotations
 
-from functools import cache
 from pathlib import Path
 
 from zero_lab.launch import torchrun
 from zero_lab.paths import REPO_ROOT
 
-STAGE_CASES = REPO_ROOT / "tests" / "workers" / "stage_cases.py"
+WORLD_CASES = REPO_ROOT / "tests" / "workers" / "world_cases.py"
 WORLD_SIZES = (1, 2, 3, 4)
 
+_launched: dict[tuple[Path, int], tuple[dict, ...] | Exception] = {}
 
-@cache
+
 def worker_reports(worker: Path, nproc: int) -> tuple[dict, ...]:
     """Every rank's report from one launch of a case worker on `nproc` gloo ranks, launched
-    once per (worker, nproc) for the whole test session."""
-    result = torchrun(worker, nproc=nproc, timeout=600, stream=False, backend="gloo")
-    return tuple(result.ranks)
+    once per (worker, nproc) for the whole test session. A launch that failed is not retried:
+    every test that reads it fails with the same error (its rank's traceback)."""
+    key = (Path(worker), nproc)
+    if key not in _launched:
+        try:
+            result = torchrun(worker, nproc=nproc, timeout=600, stream=False, backend="gloo")
+            _launched[key] = tuple(result.ranks)
+        except Exception as exc:  # noqa: BLE001 - kept, and raised again to every reader
+            _launched[key] = exc
+    if isinstance(_launched[key], Exception):
+        raise _launched[key]
+    return _launched[key]
+
+
+def case_reports(part: str, nproc: int) -> tuple[dict, ...]:
+    """Every rank's report of `part` ("collectives", "stages" or "zero3") from the launch of
+    tests/workers/world_cases.py on `nproc` gloo ranks that the three parts share."""
+    return tuple(rep[part] for rep in worker_reports(WORLD_CASES, nproc))
 
 
 def stage_case_reports(nproc: int) -> tuple[dict, ...]:
     """Every rank's report from tests/workers/stage_cases.py run on `nproc` gloo ranks."""
-    return worker_reports(STAGE_CASES, nproc)
+    return case_reports("stages", nproc)
 
 
 def select_cases(reports: tuple[dict, ...], rank: int = 0, **match) -> list[dict]:

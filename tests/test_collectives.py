@@ -1,7 +1,8 @@
 """zero_lab.collectives: ring ops equal torch's, the ledger's byte counts, the alpha-beta fit.
 
-Multi-rank checks run in one launch per world size (tests/workers/collectives_cases.py);
-everything else is pure and runs in-process.
+Multi-rank checks come from tests/workers/collectives_cases.py, run in the one launch per world
+size it shares with the other case workers (tests/common.py); everything else is pure and runs
+in-process.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import random
 import pytest
 import torch
 import torch.distributed as dist
+from common import case_reports
 
 from zero_lab import grading
 from zero_lab.collectives import (
@@ -29,18 +31,14 @@ from zero_lab.collectives import (
     zero_volume,
 )
 from zero_lab.collectives.ledger import _record
-from zero_lab.launch import torchrun
-from zero_lab.paths import REPO_ROOT
-
-CASES = REPO_ROOT / "tests" / "workers" / "collectives_cases.py"
 
 
 @pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"N={n}")
 def ranks(request):
-    """(N, per-rank reports) from one launch of the case worker on N ranks."""
+    """(N, per-rank reports) of the case worker, from the launch on N ranks it shares with the
+    other case workers (tests/common.py)."""
     n = request.param
-    result = torchrun(CASES, nproc=n, timeout=240, stream=False, backend="gloo")
-    return n, result.ranks
+    return n, case_reports("collectives", n)
 
 
 # ------------------------------------------------------------------ ring ops vs torch

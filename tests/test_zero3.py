@@ -1,50 +1,40 @@
 """Stage 3 (zero_lab/stages/zero3.py) against one process, with its memory and its traffic.
 
-Every multi-rank number comes from one launch per world size N = 1, 2, 3, 4 of
-tests/workers/zero3_cases.py, which trains 12 configurations for 10 steps each on the
-models of the stages 0-2 tests (odd-sized MLPs, a nested model with a frozen layer, a layer
-used twice and a 0-d parameter, a small GPT with a tied head) and blocks under activation
-checkpointing, with Adam, AdamW and SGD with momentum, gradient accumulation, clipping,
-mixed precision, prefetch on and off, custom and nested units, a torch optimizer built on
-model.parameters(), and the seed blog's gradient bug (which the equivalence test must
-catch). It also measures one step of the 6-block MLP
-(memory timeline, held bytes, live tensors after the step), inference, and refusals.
+Every multi-rank number comes from tests/workers/zero3_cases.py, run in one launch per world
+size N = 1, 2, 3, 4 (tests/workers/world_cases.py, shared with the other case workers); it
+trains 12 configurations for 10 steps each on the models of the stages 0-2 tests (odd-sized
+MLPs, a nested model with a frozen layer, a layer used twice and a 0-d parameter, a small GPT
+with a tied head) and blocks under activation checkpointing, with Adam, AdamW and SGD with
+momentum, gradient accumulation, clipping, mixed precision, prefetch on and off, custom and
+nested units, a torch optimizer built on model.parameters(), and the seed blog's gradient bug
+(which the equivalence test must catch). It also measures one step of the 6-block MLP (memory
+timeline, held bytes, live tensors after the step), inference, and refusals.
 """
 
 from __future__ import annotations
 
-from functools import cache
-
 import pytest
 from common import (
+    WORLD_SIZES,
     assert_every_rank_ran_every_case,
     assert_global_clip_norms,
     assert_losses_match_the_global_batch,
+    case_reports,
     select_cases,
 )
 from torch import nn
 
 from zero_lab import memory
 from zero_lab import workloads as W
-from zero_lab.launch import torchrun
-from zero_lab.paths import REPO_ROOT
 from zero_lab.stages.units import ROOT_NAME, plan_units, unit_modules
 
-CASES = REPO_ROOT / "tests" / "workers" / "zero3_cases.py"
-WORLD_SIZES = (1, 2, 3, 4)
 FP32_ATOL = 1e-6  # fp32 weights of size ~0.1-1 after 10 steps; measured worst 1.2e-7
 N_CASES = 12
 
 
-@cache
-def zero3_reports(nproc: int) -> tuple[dict, ...]:
-    result = torchrun(CASES, nproc=nproc, timeout=600, stream=False, backend="gloo")
-    return tuple(result.ranks)
-
-
 @pytest.fixture(scope="module", params=WORLD_SIZES, ids=lambda n: f"N={n}")
 def ranks(request) -> tuple[int, tuple[dict, ...]]:
-    return request.param, zero3_reports(request.param)
+    return request.param, case_reports("zero3", request.param)
 
 
 

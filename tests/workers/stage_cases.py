@@ -353,9 +353,9 @@ def error_cases() -> dict:
     }
 
 
-def main() -> None:
-    info = init_worker()
-    rank, world = info.rank, info.world_size
+def run(rank: int, world: int) -> dict:
+    """Every case on this rank; the report tests/test_stages.py and test_partition.py read
+    (tests/workers/world_cases.py runs it in the launch it shares with the other workers)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cases = []
@@ -367,8 +367,14 @@ def main() -> None:
         partition = partition_checks(rank, world)
         errors = error_cases() if world == 2 else {}
         dist.barrier()
-    report({"cases": cases, "grads_after_backward": grads, "partition": partition,
-            "errors": errors, "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]})
+    return {"cases": cases, "grads_after_backward": grads, "partition": partition,
+            "errors": errors, "warnings": [f"{w.category.__name__}: {w.message}" for w in caught]}
+
+
+def main() -> None:
+    """This worker alone, e.g. to debug it: torchrun("tests/workers/stage_cases.py", nproc=2)."""
+    info = init_worker()
+    report(run(info.rank, info.world_size))
 
 
 if __name__ == "__main__":

@@ -270,9 +270,9 @@ def error_cases() -> dict:
     }
 
 
-def main() -> None:
-    info = init_worker()
-    rank, world = info.rank, info.world_size
+def run(rank: int, world: int) -> dict:
+    """Every case on this rank; the report tests/test_zero3.py reads (tests/workers/
+    world_cases.py runs it in the launch it shares with the other workers)."""
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         cases, seconds = [], {}
@@ -290,7 +290,13 @@ def main() -> None:
         out["seconds"] = seconds
         dist.barrier()
     out["warnings"] = [f"{w.category.__name__}: {w.message}" for w in caught]
-    report(out)
+    return out
+
+
+def main() -> None:
+    """This worker alone, e.g. to debug it: torchrun("tests/workers/zero3_cases.py", nproc=2)."""
+    info = init_worker()
+    report(run(info.rank, info.world_size))
 
 
 if __name__ == "__main__":

@@ -1,0 +1,41 @@
+"""One launch per world size for three case workers: the collectives (N > 1), stages 0-2
+and stage 3 cases, each reported under its own key.
+
+A launch costs seconds before a rank runs anything (torchrun's agent and every rank import
+torch; 8-12 s at N = 4 on two cores): sharing it saves two of every three. The parts run in
+turn in one process group and keep their own random seeds, so each computes what it computed
+alone. A part that raises fails the launch, and with it every test of that world size, with
+its rank's traceback (catching it would leave the other ranks waiting in a collective).
+
+    {"collectives": ..., "stages": ..., "zero3": ...}   read by tests/common.py case_reports
+"""
+
+from __future__ import annotations
+
+import gc
+
+import collectives_cases
+import stage_cases
+import zero3_cases
+
+from zero_lab.launch import init_worker, report
+
+PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs at)
+    "collectives": (collectives_cases.run, 2),
+    "stages": (stage_cases.run, 1),
+    "zero3": (zero3_cases.run, 1),
+}
+
+
+def main() -> None:
+    info = init_worker()
+    out = {}
+    for key, (run, min_world) in PARTS.items():
+        if info.world_size >= min_world:
+            out[key] = run(info.rank, info.world_size)
+            gc.collect()  # the next part's live-tensor walks start from what it makes
+    report(out)
+
+
+if __name__ == "__main__":
+    main()
