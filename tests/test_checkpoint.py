@@ -9,6 +9,7 @@ import json
 import shutil
 import subprocess
 import sys
+from functools import cache
 
 import pytest
 import torch
@@ -23,10 +24,16 @@ sys.path.insert(0, str(CASES.parent))
 from checkpoint_cases import Net  # noqa: E402
 
 
-def launch(case: str, nproc: int, directory, stage: int = 0, *extra: str):
-    return torchrun(CASES, nproc=nproc, backend="gloo", stream=False, timeout=180,
-                    args=["--case", case, "--dir", str(directory), "--stage", str(stage),
-                          *extra])
+def launch(nproc: int, **jobs: dict) -> dict[str, list[dict]]:
+    """One launch on `nproc` ranks running the named jobs in turn (see checkpoint_cases.py);
+    {name: every rank's report of that job}."""
+    result = torchrun(CASES, nproc=nproc, backend="gloo", stream=False, timeout=300,
+                      args=["--jobs", json.dumps(jobs, default=str)])
+    return {name: [rank[name] for rank in result.ranks] for name in jobs}
+
+
+def job(case: str, directory, **options) -> dict:
+    return {"case": case, "dir": str(directory), **options}
 
 
 def close(a: dict, b: dict, atol: float = 1e-6) -> None:
@@ -37,11 +44,52 @@ def close(a: dict, b: dict, atol: float = 1e-6) -> None:
 
 
 @pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+def root(tmp_path_factory):
+    return tmp_path_factory.mktemp("ckpt")
+
+
+@pytest.fixture(scope="module")
+def saves(root) -> dict[str, list[dict]]:
+    """Every checkpoint the tests load, saved in one launch on 2 ranks: stage 3 for 3 steps,
+    then on to step 5 (the uninterrupted run); bf16 at stage 3; another run (for a swapped
+    shard file); the one a killed save must leave intact (stage 1); a ~100 MB one."""
+    return launch(
+        2,
+        step3=job("train_save", root / "step3", stage=3, steps=3, total=5),
+        bf16=job("train_save", root / "bf16", stage=3, steps=2, total=2, precision="bf16"),
+        other=job("train_save", root / "other", stage=3, steps=2, total=2),
+        before_kill=job("train_save", root / "kill" / "ckpt", stage=1, steps=1, total=1),
+        big=job("save_big", root / "big"))
+
+
+@pytest.fixture(scope="module")
+def saved(root, saves):
     """Stage 3 on 2 ranks, 3 steps, saved; then on to step 5 (the uninterrupted run)."""
-    directory = tmp_path_factory.mktemp("ckpt") / "step3"
-    result = launch("train_save", 2, directory, 3, "--steps", "3", "--total", "5")
-    return directory, result.ranks[0]
+    return root / "step3", saves["step3"][0]
+
+
+@pytest.fixture(scope="module")
+def loads(root, saves):
+    """What loading those checkpoints gave, one launch per world size (made on first use):
+    {name: every rank's report}. N = 2 also loads the broken copies _break makes."""
+    step3 = root / "step3"
+    jobs = {
+        1: {"resume_0": job("resume", step3, stage=0, total=5)},
+        2: {"resume_1": job("resume", step3, stage=1, total=5),
+            "fsdp2": job("fsdp2", step3),
+            "bad_inputs": job("bad_inputs", root, stage=2)},
+        3: {"resume_2": job("resume", step3, stage=2, total=5),
+            "resume_3": job("resume", step3, stage=3, total=5),
+            "bf16": job("resume", root / "bf16", stage=2, total=2, precision="bf16")},
+    }
+
+    @cache
+    def at(nproc: int) -> dict[str, list[dict]]:
+        if nproc == 2:
+            _break(step3, root / "broken", root / "other")
+        return launch(nproc, **jobs[nproc])
+
+    return at
 
 
 def test_the_uninterrupted_stage3_run_is_the_one_process_run(saved):
@@ -50,22 +98,21 @@ def test_the_uninterrupted_stage3_run_is_the_one_process_run(saved):
 
 
 @pytest.mark.parametrize("stage, nproc", [(2, 3), (0, 1), (3, 3), (1, 2)])
-def test_resume_at_another_stage_and_world_size_continues_exactly(saved, stage, nproc):
+def test_resume_at_another_stage_and_world_size_continues_exactly(saved, loads, stage, nproc):
     directory, ran = saved
-    resumed = launch("resume", nproc, directory, stage, "--total", "5").ranks
+    resumed = loads(nproc)[f"resume_{stage}"]
     assert resumed[0]["step"] == 3
     for rank in resumed:
         close(rank["final"], ran["reference"])
         close(rank["final"], ran["final"])
 
 
-def test_mixed_precision_restores_the_fp32_masters_exactly(tmp_path):
+def test_mixed_precision_restores_the_fp32_masters_exactly(root, saves, loads):
     """bf16 at stage 3 on 2 ranks, loaded at stage 2 on 3 ranks: the fp32 masters (what
     full_state_dict returns in mixed precision) come back bit for bit."""
-    directory = tmp_path / "bf16"
-    ran = launch("train_save", 2, directory, 3, "--steps", "2", "--total", "2",
-                 "--precision", "bf16").ranks[0]
-    resumed = launch("resume", 3, directory, 2, "--total", "2", "--precision", "bf16").ranks
+    directory = root / "bf16"
+    ran = saves["bf16"][0]
+    resumed = loads(3)["bf16"]
     assert checkpoint.read_manifest(directory)["parameters"]["a.weight"]["dtype"] == "bfloat16"
     for rank in resumed:
         assert rank["final"] == ran["at_save"]
@@ -102,9 +149,9 @@ def test_consolidate_equals_full_state_dict_and_loads_into_the_plain_model(saved
     assert with_states["optimizer.step.a.weight"].item() == 3
 
 
-def test_consolidated_weights_load_into_fsdp2(saved):
+def test_consolidated_weights_load_into_fsdp2(saved, loads):
     directory, ran = saved
-    loaded = launch("fsdp2", 2, directory).ranks
+    loaded = loads(2)["fsdp2"]
     for rank in loaded:
         assert rank["loaded"] == ran["at_save"]
 
@@ -149,12 +196,8 @@ EXPECTED = {
 }
 
 
-def test_broken_checkpoints_are_refused_by_name_and_change_nothing(saved, tmp_path):
-    directory, _ = saved
-    other = tmp_path / "other"
-    launch("train_save", 2, other, 3, "--steps", "2", "--total", "2")
-    _break(directory, tmp_path / "broken", other)
-    result = launch("bad_inputs", 2, tmp_path, 2).ranks
+def test_broken_checkpoints_are_refused_by_name_and_change_nothing(root, loads):
+    result = loads(2)["bad_inputs"]  # on copies of `saved` broken by _break
     for rank in result:
         assert rank["unchanged"], "a failed load changed the model or the optimizer"
         assert rank["errors"].keys() == EXPECTED.keys()
@@ -165,21 +208,20 @@ def test_broken_checkpoints_are_refused_by_name_and_change_nothing(saved, tmp_pa
         if name == "other_model":
             continue
         with pytest.raises(CheckpointError, match=fragment.replace("(", r"\(")):
-            checkpoint.consolidate(tmp_path / "broken" / name)
+            checkpoint.consolidate(root / "broken" / name)
 
 
-def test_a_save_killed_part_way_leaves_nothing_that_looks_complete(tmp_path):
-    directory = tmp_path / "ckpt"
-    launch("train_save", 2, directory, 1, "--steps", "1", "--total", "1")
+def test_a_save_killed_part_way_leaves_nothing_that_looks_complete(root, saves):
+    directory = root / "kill" / "ckpt"  # saved at step 1 (stage 1) by `saves`
     with pytest.raises(LaunchError, match="exit"):
-        launch("die_in_save", 2, directory, 1)
+        launch(2, die=job("die_in_save", directory, stage=1))
     assert checkpoint.read_manifest(directory)["step"] == 1  # the previous one, intact
     checkpoint.consolidate(directory)
-    partial = [p for p in tmp_path.iterdir() if p.name.startswith(".ckpt.partial-")]
+    partial = [p for p in directory.parent.iterdir() if p.name.startswith(".ckpt.partial-")]
     assert len(partial) == 1 and not (partial[0] / "manifest.json").exists()
-    fresh = tmp_path / "fresh"
+    fresh = directory.parent / "fresh"
     with pytest.raises(LaunchError):
-        launch("die_in_save", 2, fresh, 2)
+        launch(2, die=job("die_in_save", fresh, stage=2))
     assert not fresh.exists()
     with pytest.raises(CheckpointError, match="no such checkpoint directory"):
         checkpoint.consolidate(fresh)
@@ -209,11 +251,10 @@ print(json.dumps({"rise": peak() - before, "largest": largest, "total": total}))
 """
 
 
-def test_consolidation_holds_about_one_tensor_at_a_time(tmp_path):
+def test_consolidation_holds_about_one_tensor_at_a_time(root, saves):
     """Measured in a fresh process (its peak resident memory): assembling every tensor of a
     ~100 MB checkpoint (8 x Linear(1024, 1024) with Adam's two states), one at a time."""
-    launch("save_big", 2, tmp_path / "big", 3)
-    out = subprocess.run([sys.executable, "-c", MEASURE_CONSOLIDATION, str(tmp_path / "big")],
+    out = subprocess.run([sys.executable, "-c", MEASURE_CONSOLIDATION, str(root / "big")],
                          capture_output=True, text=True, check=True).stdout
     measured = json.loads(out)
     assert measured["total"] > 90e6 and measured["largest"] == 4 * 2**20
