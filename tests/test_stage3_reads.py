@@ -63,6 +63,12 @@ def test_a_weight_norm_logged_under_no_grad_is_refused(ranks):
         assert_refused(rep["logged_norm"], "0.weight", "0", "norm")
 
 
+def test_an_old_style_weight_norm_hook_is_refused_with_the_parametrization_named(ranks):
+    for rep in ranks[1]:
+        assert_refused(rep["old_weight_norm"], "0.weight_v", "0", "_weight_norm")
+        assert "torch.nn.utils.parametrizations.weight_norm" in rep["old_weight_norm"]
+
+
 def test_the_child_inside_the_parents_unit_trains_as_one_process(ranks):
     for rank, rep in enumerate(ranks[1]):
         found = rep["parent_unit"]

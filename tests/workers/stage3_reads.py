@@ -11,6 +11,8 @@ before, they read this rank's 1-D piece):
 - parent_reads_no_grad: the same model evaluated under torch.no_grad() (was: silently off)
 - l2_term:              `loss + c * sum(p.pow(2).sum() for p in model.parameters())`
 - logged_norm:          `sum(p.norm() ** 2 ...)` under no_grad for a log line (each rank's part)
+- old_weight_norm:      torch.nn.utils.weight_norm, whose forward pre-hook (added before
+                        shard()) computes the weight before the unit is gathered
 
 What keeps working, equal to one process:
 - parent_unit:          the same parent, its child kept inside the parent's unit (unit_classes)
@@ -25,6 +27,7 @@ What keeps working, equal to one process:
 from __future__ import annotations
 
 import tempfile
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -137,6 +140,17 @@ def logged_norm(rank: int, world: int) -> str:
             return sum(p.norm() ** 2 for p in model.parameters()) ** 0.5
 
     return error_message(log_weight_norm)
+
+
+def old_weight_norm(rank: int, world: int) -> str:
+    def make():
+        with warnings.catch_warnings():  # deprecated in favour of the parametrization
+            warnings.simplefilter("ignore")
+            return nn.Sequential(torch.nn.utils.weight_norm(nn.Linear(D, D)), nn.Tanh(),
+                                 nn.Linear(D, D))
+
+    model, opt, _ = pair(make, rank)
+    return error_message(lambda: train(model, opt, lambda s: W.rank_slice(batch(s), rank, world)))
 
 
 # ------------------------------------------------------------------ what keeps working
@@ -257,6 +271,7 @@ CASES = {
     "parent_reads_no_grad": parent_reads_no_grad,
     "l2_term": l2_term,
     "logged_norm": logged_norm,
+    "old_weight_norm": old_weight_norm,
     "parent_unit": parent_unit,
     "parametrized": parametrized,
     "own_optimizer": own_optimizer,

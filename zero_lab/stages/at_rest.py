@@ -10,9 +10,10 @@ optimizer updates. Code that reads a weight elsewhere would compute with that pi
 
 Without gradients that is silently wrong (each rank reads its own piece); with them autograd
 fails in backward ("PowBackward0 returned an invalid gradient"), far from the line at fault.
-torch's FSDP2 gets them right: its parameters at rest are DTensors, and an op on a DTensor
-gathers what it needs with a collective on every rank. Here such a read is refused at the op,
-with the parameter, its unit and what to do instead in the message.
+torch's FSDP2 keeps its parameters at rest as DTensors, whose ops know they are sharded.
+Here such a read is refused at the op, with the parameter, its unit and what to do instead
+in the message (an old-style `torch.nn.utils.weight_norm`, whose forward pre-hook runs
+before the unit is gathered, is refused the same way; the parametrization works).
 
 How. While its unit rests, a parameter's class is `ParameterAtRest`, a subclass of
 nn.Parameter (`p.__class__` is switched by units.py, back to nn.Parameter when the unit is
@@ -28,6 +29,11 @@ is right on a piece:
   `model.parameters()` (global optimizer-step hooks mark the step);
 - `p.data` (or `p.detach()`) is the piece as a plain tensor, for code that means the piece.
 Everything else (an out-of-place op, a reduction, a matmul, indexing) raises.
+
+torch's FSDP2 (2.13, measured with tests/workers/stage3_reads.py's models on gloo) is loud
+too, for another reason: the parent's read and the L2 term fail with DTensor's "got mixed
+torch.Tensor and DTensor"; a norm computed only from the parameters is right there (DTensor
+ops reduce over the ranks), and refused here.
 
 Why not the other ways. A TorchFunctionMode active during the sharded model's forward would
 check every op of every forward (a Python call each), and would not see an L2 term computed
@@ -186,7 +192,9 @@ def _refusal(func, p: ParameterAtRest) -> str:
         "compute with the piece: silently wrong without gradients, a wrong-shaped gradient "
         "with them. Read a weight inside its unit's call (call the module that owns it), or "
         "keep that module inside the unit of the module that reads it: shard(..., "
-        "unit_classes=(TheReadingModule,)). Instead of a norm of the gradients: "
+        "unit_classes=(TheReadingModule,)); a forward pre-hook added before shard() runs "
+        "before the unit is gathered (torch.nn.utils.weight_norm: use "
+        "torch.nn.utils.parametrizations.weight_norm). Instead of a norm of the gradients: "
         "opt.clip_grad_norm_(max_norm) (torch's clip_grad_norm_(model.parameters(), c) is "
         "routed to it); of an L2 penalty in the loss: the optimizer's weight_decay; of weights "
         "read without gradients: full_state_dict(model), on every rank. Code that means this "
