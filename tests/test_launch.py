@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import uuid
+from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
 
 import pytest
 
-from zero_lab.launch import LaunchError, LaunchTimeout, report, torchrun
+from zero_lab.launch import LaunchError, LaunchResult, LaunchTimeout, report, torchrun
 
 PROBE = Path(__file__).parent / "workers" / "probe.py"
 
@@ -33,11 +38,40 @@ def _processes_with(marker: str) -> list[str]:
     return found
 
 
-@pytest.mark.parametrize("nproc", [2, 3])
-def test_every_rank_reports_and_rank0_streams(nproc, capsys):
+@dataclass
+class ProbeRun:
+    """A successful launch of the probe, and what was true right after it."""
+
+    result: LaunchResult
+    marker: str
+    printed: str  # what torchrun() printed while it ran (rank 0's streamed lines)
+    left_in_temp: list  # what the launch left in the (empty, private) temp dir
+    left_running: list  # live processes that carry the launch's marker
+
+
+def _probe_run(nproc: int, temp: Path) -> ProbeRun:
     marker = uuid.uuid4().hex
-    result = torchrun(PROBE, nproc=nproc, args=["--lines", "3"],
-                      env={"ZERO_LAB_TEST_MARKER": marker})
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as mp, contextlib.redirect_stdout(printed):
+        mp.setattr(tempfile, "tempdir", str(temp))  # as the temp_dir fixture does
+        mp.setenv("TMPDIR", str(temp))
+        result = torchrun(PROBE, nproc=nproc, args=["--lines", "3"],
+                          env={"ZERO_LAB_TEST_MARKER": marker})
+    return ProbeRun(result, marker, printed.getvalue(), list(temp.iterdir()),
+                    _processes_with(marker))
+
+
+@pytest.fixture(scope="module")
+def probe_run(tmp_path_factory):
+    """One successful probe launch per world size (made on first use), shared by the tests
+    that read it."""
+    return cache(lambda nproc: _probe_run(nproc, tmp_path_factory.mktemp(f"probe{nproc}")))
+
+
+@pytest.mark.parametrize("nproc", [2, 3])
+def test_every_rank_reports_and_rank0_streams(nproc, probe_run):
+    run = probe_run(nproc)
+    result, marker = run.result, run.marker
     assert [r["rank"] for r in result.ranks] == list(range(nproc))
     expected_sum = nproc * (nproc + 1) / 2
     for r, rep in enumerate(result.ranks):
@@ -47,16 +81,14 @@ def test_every_rank_reports_and_rank0_streams(nproc, capsys):
         }
     assert result.backend == "gloo" and result.nproc == nproc
     assert result.wall_time > 0
-    out = capsys.readouterr().out
-    assert out.splitlines() == [f"[rank0] line {i} from rank 0" for i in range(3)]
+    assert run.printed.splitlines() == [f"[rank0] line {i} from rank 0" for i in range(3)]
     for r in range(nproc):  # every rank's own output comes back
         assert result.stdout[r].splitlines() == [f"line {i} from rank {r}" for i in range(3)]
-    assert _processes_with(marker) == []
+    assert run.left_running == []
 
 
-def test_a_successful_launch_leaves_no_folder_behind(temp_dir):
-    torchrun(PROBE, nproc=2, stream=False)
-    assert list(temp_dir.iterdir()) == []
+def test_a_successful_launch_leaves_no_folder_behind(probe_run):
+    assert probe_run(2).left_in_temp == []
 
 
 def test_a_failed_launch_keeps_its_logs_and_names_them(temp_dir):
