@@ -9,7 +9,8 @@ tied to the launching process) and, through it, `python -m zero_lab.worker SCRIP
 every rank: this module's entry point sends the rank's output to its log files, runs the
 script, records an exception for the launcher, and ends the process without interpreter
 finalisation (see `_run_rank`). No process of a launch outlives the process that called
-torchrun() (`_die_with_parent`).
+torchrun() (`_die_with_parent`), nor the launch itself: the agent adopts and ends whatever
+the ranks started and left behind (`_become_subreaper`, `_end_orphans`).
 """
 
 from __future__ import annotations
@@ -121,9 +122,68 @@ def _run_agent(argv: list[str]) -> None:
     """
     _die_with_parent(os.environ.get(ENV_LAUNCHER_PID))
     os.environ[ENV_AGENT_PID] = str(os.getpid())  # every rank inherits the agent's environment
+    _become_subreaper()
     from torch.distributed.run import main
 
-    main(argv)
+    try:
+        main(argv)
+    finally:  # the ranks are done (or torchrun was told to stop): nothing of theirs lives on
+        _end_orphans()
+
+
+def _become_subreaper() -> None:
+    """On Linux, make the agent the *child subreaper* of everything the ranks start.
+
+    A process a rank starts can leave the rank's process group and outlive it: a double
+    fork, or a child started in a session of its own (`start_new_session=True`, a daemon).
+    Orphaned, it would be adopted by init and live on after the launch, which promises that
+    no process is left behind. With PR_SET_CHILD_SUBREAPER the kernel hands such orphans to
+    the agent instead, so `_end_orphans` can find them: they are its children.
+    """
+    if not sys.platform.startswith("linux"):
+        return
+    import ctypes
+
+    with contextlib.suppress(OSError, AttributeError):
+        pr_set_child_subreaper = 36
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_child_subreaper, 1)
+
+
+def _end_orphans() -> None:
+    """SIGKILL and reap every process still descending from the agent (Linux: /proc).
+
+    Killing a process hands its own children to the agent (the subreaper), so repeat until
+    none is left."""
+    if not sys.platform.startswith("linux"):
+        return
+    for _ in range(100):
+        family = _descendants(os.getpid())
+        if not family:
+            return
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+        for pid in family:  # reap our direct children (the rest come to us as they die)
+            with contextlib.suppress(ChildProcessError):
+                os.waitpid(pid, 0)
+
+
+def _descendants(root: int) -> list[int]:
+    """The pids below `root` in the process tree, read from /proc/*/stat (field 4: ppid)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError, IndexError):
+            with open(f"/proc/{entry}/stat") as f:
+                after_name = f.read().rsplit(")", 1)[1].split()
+            children.setdefault(int(after_name[1]), []).append(int(entry))
+    found, todo = [], list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        found.append(pid)
+        todo.extend(children.get(pid, []))
+    return found
 
 
 def _run_rank(argv: list[str]) -> NoReturn:
