@@ -35,28 +35,46 @@ GPU trace F comes from NCCL's kernels: their real time on the device.
 from __future__ import annotations
 
 import re
-from collections import defaultdict
-from collections.abc import Iterable
+from bisect import bisect_right
+from collections import defaultdict, deque
+from collections.abc import Callable, Iterable
 
 from zero_lab.profiling import intervals as iv
+from zero_lab.profiling.capture import STEP
 from zero_lab.profiling.marks import LOCKSTEP_CHECK, WAIT
 from zero_lab.profiling.trace import Event, Trace, is_collective_mark
 
 CATEGORIES = ("compute", "optimizer", "exposed_comm", "idle")  # they sum to the step
 
 
-def _spans(events: Iterable[Event], kind: str) -> list[iv.Interval]:
-    return [(e.start, e.end) for e in events if e.kind == kind]
+def recorded_steps(trace: Trace) -> list[iv.Interval]:
+    """The trace's step windows; a trace without any (a profile taken without a schedule
+    or "train step" marks) is refused by name rather than read as having no collectives."""
+    if not trace.steps:
+        where = trace.path if trace.path is not None else f"rank {trace.rank}'s trace"
+        raise ValueError(f"{where}: no recorded step (no '{STEP}' or 'ProfilerStep#' mark): "
+                         f"capture with zero_lab.profiling.capture, or give torch.profiler "
+                         f"a schedule")
+    return trace.steps
+
+
+def _spans(events: Iterable[Event], kind: str, window: iv.Interval) -> list[iv.Interval]:
+    """The spans of `kind` that reach into `window` (written so that a NaN end is kept, and
+    refused by the interval arithmetic, rather than dropped here)."""
+    lo, hi = window
+    return [(e.start, e.end) for e in events
+            if e.kind == kind and not (e.end <= lo or e.start >= hi)]
 
 
 def categorize(events: Iterable[Event], window: iv.Interval) -> dict[str, list[iv.Interval]]:
     """The intervals of each category inside `window` (see the module docstring): compute,
-    optimizer, exposed_comm, idle, and overlapped_comm (which lies under compute)."""
+    optimizer, exposed_comm, idle, and overlapped_comm (which lies under compute).
+    O(n log n): a sort per category, then sweeps (intervals.py)."""
     events = list(events)
-    blocked = iv.clip(_spans(events, "comm"), window)
-    busy = iv.subtract(iv.clip(_spans(events, "compute"), window), blocked)
-    optimizer = iv.clip(_spans(events, "optimizer"), window)
-    in_flight = iv.union(iv.clip(_spans(events, "in_flight"), window) + blocked)
+    blocked = iv.clip(_spans(events, "comm", window), window)
+    busy = iv.subtract(iv.clip(_spans(events, "compute", window), window), blocked)
+    optimizer = iv.clip(_spans(events, "optimizer", window), window)
+    in_flight = iv.union(iv.clip(_spans(events, "in_flight", window), window) + blocked)
     return {
         "compute": iv.subtract(busy, optimizer),
         "optimizer": iv.intersect(busy, optimizer),
@@ -80,7 +98,7 @@ def breakdown(events: Iterable[Event], window: iv.Interval) -> dict[str, float]:
 
 def step_breakdowns(trace: Trace) -> list[dict[str, float]]:
     """`breakdown` of every recorded step of one rank."""
-    return [breakdown(trace.events, window) for window in trace.steps]
+    return [breakdown(trace.events, window) for window in recorded_steps(trace)]
 
 
 def mean_breakdown(traces: list[Trace]) -> dict[str, float]:
@@ -106,8 +124,6 @@ def typical_breakdown(traces: list[Trace], pick: str = "median") -> dict[str, fl
     picked = []
     for trace in traces:
         rows = sorted(step_breakdowns(trace), key=lambda b: b["step"])
-        if not rows:
-            raise ValueError(f"no recorded step in {trace.path}")
         picked.append(rows[(len(rows) - 1) // 2] if pick == "median" else rows[0])
     out = {k: sum(r[k] for r in picked) / len(picked) for k in picked[0]}
     out["critical_comm_share"] = out["exposed_comm"] / out["step"]
@@ -129,8 +145,53 @@ _TORCH_OPS = {
 _FULL_ARG = {"all_gather": 0, "reduce_scatter": 1}
 
 
-def _inside(event: Event, outer: Event) -> bool:
-    return outer.start <= event.start and event.end <= outer.end and event.track == outer.track
+def _outermost(events: list[Event]) -> list[Event]:
+    """`events` without those that lie inside another of them on the same track (of two
+    with the same span, the first is kept), in (start, -end) order. One sort, one pass:
+    sorted so, an event is inside an earlier one exactly when an earlier one on its track
+    ends no sooner."""
+    kept, reach = [], {}  # reach: per track, the latest end of the events kept so far
+    for e in sorted(events, key=lambda e: (e.start, -e.end)):
+        if e.track in reach and e.end <= reach[e.track]:
+            continue
+        reach[e.track] = e.end
+        kept.append(e)
+    return kept
+
+
+def _containers(events: list[Event], outers: list[Event]) -> list[list[Event]]:
+    """For each of `events`, the `outers` that contain it (same track, start no later, end
+    no sooner). One sort, then a sweep with a stack of open outers per track: a thread's
+    marks and ops nest like its calls, so the stack holds the few that enclose the current
+    time, not all of them (comparing every event with every outer made collectives()
+    quadratic)."""
+    found: list[list[Event]] = [[] for _ in events]
+    # At the same (start, -end) an outer comes first: it contains an event with its span.
+    order = sorted([(o.start, -o.end, 0, i) for i, o in enumerate(outers)]
+                   + [(e.start, -e.end, 1, i) for i, e in enumerate(events)])
+    open_outers: dict[str, list[Event]] = defaultdict(list)
+    for start, _, is_event, i in order:
+        item = events[i] if is_event else outers[i]
+        stack = open_outers[item.track]
+        while stack and stack[-1].end < start:  # ended before this begins
+            stack.pop()
+        if is_event:
+            found[i] = [o for o in stack if o.end >= item.end and o is not item]
+        else:
+            stack.append(item)
+    return found
+
+
+def _step_finder(windows: list[iv.Interval]) -> Callable[[float], int | None]:
+    """A function from a time to the index of the step window holding it (None outside
+    them): a binary search over the (disjoint) windows."""
+    order = sorted(range(len(windows)), key=lambda k: windows[k])
+    starts = [windows[k][0] for k in order]
+
+    def step_of(t: float) -> int | None:
+        i = bisect_right(starts, t) - 1
+        return order[i] if i >= 0 and t < windows[order[i]][1] else None
+    return step_of
 
 
 def _numel(dims) -> int | None:
@@ -157,31 +218,36 @@ def collectives(trace: Trace) -> list[dict]:
     zero_lab's marks are read first; torch ops inside them are the same collective (the
     direct exchange's isend/irecv, or torch's collective) and are not counted again. The
     lockstep check ("check / lockstep", 24 bytes a rank) is control, not data: left out, as
-    the CommLedger leaves it out of its records.
+    the CommLedger leaves it out of its records. O(n log n) (`_containers`).
     """
-    out = []
+    step_of = _step_finder(recorded_steps(trace))
     events = sorted(trace.events, key=lambda e: (e.start, -e.end))
     marks = [e for e in events if is_collective_mark(e.name)]
     checks = [e for e in events if e.name == LOCKSTEP_CHECK]  # control, not data: skipped
-    ops = [e for e in events if e.name in _TORCH_OPS and not any(_inside(e, c) for c in checks)]
+    ops = [e for e in events if e.name in _TORCH_OPS]
+    ops = [e for e, held in zip(ops, _containers(ops, checks), strict=True) if not held]
     # A torch op inside another is the same call seen twice (a dispatch mode such as the
     # CommLedger re-dispatches it): keep the outer one.
-    ops = [e for e in ops if not any(o is not e and _inside(e, o) for o in ops)]
-    for k, window in enumerate(trace.steps):
-        def in_step(e: Event, window=window) -> bool:
-            return window[0] <= e.start < window[1]
-
-        for m in filter(in_step, marks):
+    ops = _outermost(ops)
+    inner: dict[int, list[Event]] = {id(m): [] for m in marks}  # each mark's torch ops
+    alone = []  # torch collectives issued without a zero_lab mark around them
+    for e, held in zip(ops, _containers(ops, marks), strict=True):
+        for m in held:
+            inner[id(m)].append(e)
+        if not held:
+            alone.append(e)
+    issued = []
+    for m in marks:
+        if (k := step_of(m.start)) is not None:
             op = m.name.split(" / ")[0].replace("-", "_")
-            inner = [e for e in ops if _inside(e, m)]
-            out.append({"op": op, "label": m.name.split(" / ", 1)[1], "start": m.start,
-                        "step": k, "numel": _mark_numel(op, inner, trace.world_size)})
-        for e in filter(in_step, ops):
-            if not any(_inside(e, m) for m in marks):
-                op = _TORCH_OPS[e.name]
-                out.append({"op": op, "label": e.name, "start": e.start, "step": k,
-                            "numel": _op_numel(e, op)})
-    return sorted(out, key=lambda c: c["start"])
+            issued.append({"op": op, "label": m.name.split(" / ", 1)[1], "start": m.start,
+                           "step": k, "numel": _mark_numel(op, inner[id(m)], trace.world_size)})
+    for e in alone:
+        if (k := step_of(e.start)) is not None:
+            op = _TORCH_OPS[e.name]
+            issued.append({"op": op, "label": e.name, "start": e.start, "step": k,
+                           "numel": _op_numel(e, op)})
+    return sorted(issued, key=lambda c: (c["start"], c["step"]))
 
 
 def _mark_numel(op: str, inner: list[Event], world_size: int) -> int:
@@ -251,14 +317,14 @@ def collective_spans(trace: Trace, window: iv.Interval) -> list[tuple[str, str, 
     NCCL kernels. For timelines."""
     lo, hi = window
     events = sorted((e for e in trace.events if lo <= e.start < hi), key=lambda e: e.start)
-    waits: dict[str, list[Event]] = defaultdict(list)
+    waits: dict[str, deque[Event]] = defaultdict(deque)
     for e in events:
         if e.name.startswith(WAIT):
             waits[e.name[len(WAIT):]].append(e)
     spans = []
     for e in events:
         if is_collective_mark(e.name) and e.track == "main":
-            end = waits[e.name].pop(0).end if waits[e.name] else e.end
+            end = waits[e.name].popleft().end if waits[e.name] else e.end
             op, label = e.name.split(" / ", 1)
             spans.append((op.replace("-", "_"), label, e.start, end))
     if spans:
@@ -304,7 +370,7 @@ def top_ops(trace: Trace, n: int = 10, window: iv.Interval | None = None
 def memory_over_step(trace: Trace, step: int = 0) -> list[tuple[float, int]]:
     """(microseconds since the step began, bytes allocated minus at the step's start) for
     every allocator event inside the step: how the step's memory rises and falls."""
-    lo, hi = trace.steps[step]
+    lo, hi = recorded_steps(trace)[step]
     before = [b for t, b in trace.memory if t < lo]
     base = before[-1] if before else (trace.memory[0][1] if trace.memory else 0)
     return [(t - lo, b - base) for t, b in trace.memory if lo <= t <= hi]
