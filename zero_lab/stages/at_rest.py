@@ -10,7 +10,6 @@ optimizer updates. Code that reads a weight elsewhere would compute with that pi
 
 Without gradients that is silently wrong (each rank reads its own piece); with them autograd
 fails in backward ("PowBackward0 returned an invalid gradient"), far from the line at fault.
-torch's FSDP2 keeps its parameters at rest as DTensors, whose ops know they are sharded.
 Here such a read is refused at the op, with the parameter, its unit and what to do instead
 in the message (an old-style `torch.nn.utils.weight_norm`, whose forward pre-hook runs
 before the unit is gathered, is refused the same way; the parametrization works).
@@ -30,20 +29,22 @@ is right on a piece:
 - `p.data` (or `p.detach()`) is the piece as a plain tensor, for code that means the piece.
 Everything else (an out-of-place op, a reduction, a matmul, indexing) raises.
 
-torch's FSDP2 (2.13, measured with tests/workers/stage3_reads.py's models on gloo) is loud
-too, for another reason: the parent's read and the L2 term fail with DTensor's "got mixed
-torch.Tensor and DTensor"; a norm computed only from the parameters is right there (DTensor
-ops reduce over the ranks), and refused here.
+torch's FSDP2 keeps its parameters at rest as DTensors, whose ops know they are sharded
+(torch 2.13, measured on gloo with the models of tests/workers/stage3_reads.py): the
+parent's read and the L2 term fail there too, with DTensor's "got mixed torch.Tensor and
+DTensor"; a norm computed from the parameters alone is right there (the DTensor ops reduce
+over the ranks), and refused here.
 
 Why not the other ways. A TorchFunctionMode active during the sharded model's forward would
 check every op of every forward (a Python call each), and would not see an L2 term computed
-after forward. Making the reads right, as FSDP2 does, would hide a collective inside
-`p.norm()` (every rank must then read the same weights in the same order) and need a path
-for the gradient back into the piece: DTensor's machinery, not a lesson's. The ways the
-message offers are exact today: `unit_classes` that keep the read weight inside the reading
-module's unit, `opt.clip_grad_norm_` for gradient norms, the optimizer's `weight_decay` for
-an L2 penalty (the same update for SGD; AdamW's decoupled decay is the usual choice), and
-`full_state_dict(model)` for weights read without gradients.
+after forward. Making the reads right, as DTensor does for ops on parameters alone, would
+hide a collective inside `p.norm()` (every rank must then read the same weights in the same
+order) and need a path for the gradient back into the piece: DTensor's machinery, not a
+lesson's. The ways the message offers are exact today: `unit_classes` that keep the read
+weight inside the reading module's unit, `opt.clip_grad_norm_` for gradient norms, the
+optimizer's `weight_decay` for an L2 penalty (torch's SGD and Adam add weight_decay·p to the
+gradient: exactly the gradient of weight_decay/2·||p||² in the loss; AdamW's decoupled decay
+is the usual choice), and `full_state_dict(model)` for weights read without gradients.
 
 Cost: nothing inside a unit's call (its parameters are plain nn.Parameters then). At rest,
 each look the stage itself takes at `.grad` (3 per parameter and step, in zero3.py) pays one
