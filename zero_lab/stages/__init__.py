@@ -11,8 +11,10 @@ mechanics live in `zero_lab/partition.py` (the flat buffers), `gradient_sync.py`
 the end-of-backward callback) and `sharded_optimizer.py` (the optimizer wrapper, clipping,
 mixed precision). What keeps torch's own habits right on a sharded model lives beside them:
 `loading.py` (`model.load_state_dict`), `torch_clipping.py` (`torch.nn.utils.
-clip_grad_norm_`), `buffers.py` (DDP's `broadcast_buffers`) and `agreement.py` (ranks that
-were given different things refuse together).
+clip_grad_norm_`), `buffers.py` (DDP's `broadcast_buffers`), `agreement.py` (ranks that
+were given different things refuse together), `lockstep.py` (ranks that drift apart during
+training fail together, named) and `at_rest.py` (stage 3 refuses a read of a resting
+parameter's piece).
 
 `shard()` changes the model in place and returns it, in three steps that every stage shares
 (read it top to bottom): trainable parameters move into flat buffers (stages 0-2: one per

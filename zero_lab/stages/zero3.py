@@ -17,14 +17,18 @@ Each unit's trainable parameters are one `FlatParamGroup`
 (partition.py): this rank holds the slice [r·S, (r+1)·S) of its padded flat buffer, in
 memory of its own (`Unit.local`). A unit is gathered by hooks on its forward, so it must be
 *called*: a parent that reads a child's weight without calling the child needs
-`unit_classes` that leave the child inside the parent's unit (otherwise it finds the
-weight's 1-D local piece and fails with a shape error, never silently). Activation
+`unit_classes` that leave the child inside the parent's unit. Otherwise the read is
+refused at the op, naming the weight and its unit: between its unit's calls a parameter is
+a `ParameterAtRest` (at_rest.py), which lets through looks, in-place updates under no_grad
+and a torch optimizer's step, and refuses any other read (an L2 term over
+model.parameters(), a weight norm logged under no_grad). Activation
 checkpointing works (the non-reentrant kind, as for stages 0-2): a forward recomputed
 during backward finds its unit gathered and leaves it so.
 
 At rest, every original nn.Parameter stays in its module, so names, tied weights and user
 references stay valid, but its `.data` is its piece of this rank's slice: a 1-D view,
-possibly empty. So `model.parameters()` yields the local slices (as FSDP2 does) and any
+possibly empty (while it rests its class is at_rest.ParameterAtRest, a subclass of
+nn.Parameter). So `model.parameters()` yields the local slices (as FSDP2 does) and any
 element-wise torch optimizer built on them updates local data only, with no communication.
 
 One training step, for one unit of Ψ_u elements (the collectives in CAPITALS):
