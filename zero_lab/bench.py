@@ -95,7 +95,15 @@ def summarize(ranks: list[dict], config: BenchConfig) -> dict:
             "peak_bytes": [r["peak"][name] for r in ranks],
             "comm": [r["comm"][name] for r in ranks],
             "max_abs_diff": rank0["max_abs_diff"][name],
+            # time rank 0 spent inside the lockstep check per timed step: it includes waiting
+            # for the other ranks, which the step's next collective would wait for anyway
+            "lockstep_ms_per_step": rank0.get("lockstep_ms", {}).get(name),
+            # one check between ranks that arrive together: what it adds to a step
+            "lockstep_latency_ms": rank0.get("lockstep_latency_ms", {}).get(name),
         }
+        if systems[name]["lockstep_latency_ms"] is not None:
+            systems[name]["lockstep_share"] = (systems[name]["lockstep_latency_ms"]
+                                               / systems[name]["best_round_ms"])
     targets = []
     for name, baseline, limit in TARGETS:
         if name in systems and baseline in systems:
@@ -180,6 +188,13 @@ def markdown_table(result: dict) -> str:
     if result.get("lockstep_cost"):
         lines += ["", f"Stage 3's default lockstep check: best round with / without = "
                       f"{result['lockstep_cost']:.3f}."]
+    share = result["systems"].get("stage3", {}).get("lockstep_share")
+    if share is not None:
+        s3 = result["systems"]["stage3"]
+        lines += ["", f"Stage 3's lockstep check: {s3['lockstep_latency_ms']:.3f} ms between "
+                      f"ranks arriving together, {100 * share:.2f}% of the best round's step "
+                      f"({s3['lockstep_ms_per_step']:.3f} ms a step inside it, waiting for the "
+                      "slower rank included, which the next collective would wait for anyway)."]
     for stage, gain in (result.get("transport_gain") or {}).items():
         lines += ["", f"Direct exchange, {stage}: best round with torch's collectives / with "
                       f"the direct exchange = {gain:.3f}."]
@@ -271,6 +286,12 @@ def format_targets(result: dict) -> str:
     if result.get("lockstep_cost"):
         lines.append(f"  stage 3 lockstep check cost (with / without): "
                      f"{result['lockstep_cost']:.3f}")
+    share = result["systems"].get("stage3", {}).get("lockstep_share")
+    if share is not None:
+        s3 = result["systems"]["stage3"]
+        lines.append(f"  stage 3 lockstep check: {s3['lockstep_latency_ms']:.3f} ms between "
+                     f"ranks arriving together, {100 * share:.2f}% of the best round's step "
+                     f"({s3['lockstep_ms_per_step']:.3f} ms a step inside it, waits included)")
     for stage, gain in (result.get("transport_gain") or {}).items():
         lines.append(f"  {stage} direct-exchange gain (torch's collectives / direct): {gain:.3f}")
     return "\n".join(lines)

@@ -36,6 +36,7 @@ finer debug aid (a check before every all-gather).
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 
 import torch
@@ -69,6 +70,7 @@ class Lockstep:
         self.device = device
         self.world_size = dist.get_world_size(process_group)
         self.enabled = enabled and self.world_size > 1
+        self.seconds = 0.0  # spent inside check() so far (make bench reports it per step)
 
     def check(self, phase: str, steps: int, fingerprint: int = 0,
               detail: Callable[[], str] | None = None) -> None:
@@ -79,10 +81,12 @@ class Lockstep:
             return
         mine = torch.tensor([PHASES[phase], steps, fingerprint], dtype=torch.int64,
                             device=self.device)
+        start = time.perf_counter()
         everyone = mine.new_empty(self.world_size * 3)
         with mark(LOCKSTEP_CHECK), control_message(everyone, self.world_size):
             dist.all_gather_single(everyone, mine, group=self.process_group)
         rows = [tuple(row) for row in everyone.view(self.world_size, 3).tolist()]
+        self.seconds += time.perf_counter() - start
         if all(row == rows[0] for row in rows):
             return
         # Every rank found the same difference, so every rank joins this second gather.

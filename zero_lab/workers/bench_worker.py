@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import time
 
 import torch
@@ -44,6 +45,11 @@ class Run:
     def __init__(self, name: str, trainer: Trainer, config: BenchConfig, info) -> None:
         self.name, self.trainer, self.config, self.info = name, trainer, config, info
         self.steps_done = 0
+        # zero_lab's lockstep check (stages/lockstep.py), if this system has one: the time
+        # spent inside it over the timed steps
+        sync = getattr(trainer.optimizer, "sync", None)
+        self.lockstep = getattr(sync, "lockstep", None)
+        self.lockstep_s, self.timed = 0.0, 0
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of global batch `step` (the same for every system)."""
@@ -73,6 +79,7 @@ class Run:
     def timed_steps(self, steps: int) -> list[list[float]]:
         """Per step [total, forward, backward, optimizer.step, zero_grad] in seconds."""
         rows = []
+        inside_before = self.lockstep.seconds if self.lockstep else 0.0
         for _ in range(steps):
             batch = self.batch(self.steps_done)
             model, opt = self.trainer.model, self.trainer.optimizer
@@ -90,6 +97,9 @@ class Run:
             self.steps_done += 1
             phases = [b - a for a, b in zip(marks, marks[1:], strict=False)]
             rows.append([marks[-1] - marks[0], *phases])
+        if self.lockstep:
+            self.lockstep_s += self.lockstep.seconds - inside_before
+            self.timed += steps
         return rows
 
     def measured_step(self) -> tuple[dict, int, dict]:
@@ -111,6 +121,19 @@ class Run:
         comm = {"sent_bytes": ledger.total_bytes(), "volume": ledger.volume(),
                 "by_op": ledger.summary()}
         return held, timeline.peak_bytes, comm
+
+
+def _check_latency_ms(lockstep, repeats: int = 60) -> float:
+    """The median time of one lockstep check when the ranks arrive together (after a
+    barrier): what the check adds to a step. Inside a step the check also absorbs the ranks'
+    skew, which the step's next collective would otherwise wait for."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        lockstep.check("forward", 0)
+        times.append(time.perf_counter() - start)
+    return 1e3 * statistics.median(times)
 
 
 def _synchronize(device: torch.device) -> None:
@@ -182,6 +205,8 @@ def main() -> None:
         for run in rotated:
             timing[run.name].append(_slowest(run.timed_steps(config.steps), info.device))
 
+    latency = {run.name: _check_latency_ms(run.lockstep) for run in runs
+               if run.lockstep and run.lockstep.enabled}
     reference = runs[0].trainer.full_weights()
     max_abs_diff = {run.name: _max_abs_diff(run.trainer.full_weights(), reference, info.device)
                     for run in runs}
@@ -195,7 +220,10 @@ def main() -> None:
             "backend": info.backend, "device": str(info.device), "n_params": n_params}
     if info.rank == 0:
         data.update({"timing": timing, "order": order, "max_abs_diff": max_abs_diff,
-                     "profiles": profiles})
+                     "profiles": profiles,
+                     "lockstep_ms": {run.name: 1e3 * run.lockstep_s / run.timed
+                                     for run in runs if run.lockstep and run.timed},
+                     "lockstep_latency_ms": latency})
         print(f"{len(runs)} systems x {config.rounds} rounds done; "
               f"max |w - w_{runs[0].name}| = {max(max_abs_diff.values()):.2e}")
     report(data)
