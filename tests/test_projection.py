@@ -329,3 +329,141 @@ def test_the_peak_floor_is_what_no_n_divides():
     assert [projection.peak_floor_bytes(7e9, s) for s in range(4)] == [
         unit, unit, 3 * unit, 5 * unit]
     assert projection.peak_floor_bytes(7e9, 3, 32, "fp32") == 5 * 2 * unit
+
+
+# ------------------------------------------------------------------ issue 22, point 14
+
+
+def _ranks_by_stepping(n_params, gpu_bytes, world_size, link, rows, precision, optimizer,
+                       reserve_fraction):
+    """projection._ranks_for_stage3 before issue 22: from an estimate, one rank (node) at a
+    time. The reference the closed form must equal wherever this finishes."""
+    import math
+
+    from zero_lab.interconnect import Machine, get_link, max_world_size
+
+    room = gpu_bytes * (1 - reserve_fraction) - rows[3]["activation_bytes"] - rows[3]["floor_bytes"]
+    per_param = memory.bytes_per_param(precision, optimizer)["total"]
+    if room < per_param:
+        return None
+    lk = get_link(link)
+    node = lk.node_size if isinstance(lk, Machine) else 1
+
+    def whole_nodes(n: int) -> int:
+        return n if n <= node else -(-n // node) * node
+
+    n = whole_nodes(max(world_size + 1, math.ceil(per_param * n_params / room)))
+    while memory.model_state_bytes(n_params, 3, n, precision, optimizer)["total"] > room:
+        n = whole_nodes(n + 1)
+    top = max_world_size(lk)
+    return n if top is None or n <= top else None
+
+
+def _nb07_scenario(n_params, gpus, attention="fused", reserve_fraction=projection.RESERVE_FRACTION,
+                   extra_acts=0.0, checkpointed=True):
+    """Notebook 07's decision-table call (and grading's / test_nb07_checks' variants)."""
+    shape = memory.gpt_shape(n_params)
+    acts = memory.activation_bytes(shape["n_layers"], 4096, 4, shape["hidden"], shape["heads"],
+                                   checkpointing="full", attention=attention) + extra_acts
+    return dict(n_params=n_params, gpu_bytes=80 * GiB, world_size=gpus, link="dgx_h100",
+                compute_s=projection.compute_time(n_params, 4 * 4096, 0.4 * 989e12),
+                activation_bytes=acts, buckets=shape["n_layers"],
+                reserve_fraction=reserve_fraction, activations_checkpointed=checkpointed)
+
+
+def _inputs_notebook_07_and_its_tests_use() -> list[dict]:
+    calls = [_nb07_scenario(n, g, attention) for n in (1.3e9, 7e9, 13e9, 70e9)
+             for g in (8, 64) for attention in ("fused", "unfused")]
+    calls += [_nb07_scenario(n, g, reserve_fraction=r, extra_acts=extra, checkpointed=c)
+              for n in (7e9, 70e9) for g in (8, 32, 64) for r in (0.0, 0.1)
+              for extra in (0.0, 20 * GiB, 60 * GiB) for c in (True, False)]
+    calls += [dict(n_params=125e6, gpu_bytes=80 * GiB, world_size=8, link="nvlink4",
+                   compute_s=0.1),
+              dict(n_params=PSI_7B, gpu_bytes=80 * GiB, world_size=8, link="nvlink4",
+                   compute_s=COMPUTE_7B, activation_bytes=10 * GiB),
+              dict(n_params=PSI_7B, gpu_bytes=48 * GiB, world_size=4, link="nvlink4",
+                   compute_s=COMPUTE_7B, activation_bytes=10 * GiB),
+              dict(n_params=1e9, gpu_bytes=80 * GiB, world_size=8, link="nvlink4",
+                   compute_s=1.0, activation_bytes=90 * GiB),
+              dict(n_params=PSI_7B, gpu_bytes=16 * GiB, world_size=16, link="infiniband_ndr",
+                   compute_s=COMPUTE_7B, overlap=0.0)]
+    ranks = [8, 16, 24, 40, 56, 72, 64 * 8]  # 70B on whole DGX nodes around the answer
+    calls += [_nb07_scenario(70e9, g) for g in ranks]
+    return calls
+
+
+def test_recommend_gives_the_answers_it_gave_by_stepping_on_notebook_07s_inputs(monkeypatch):
+    calls = _inputs_notebook_07_and_its_tests_use()
+    closed = [recommend(**kw) for kw in calls]
+    assert sum("fits on" in r.reason for r in closed) >= 10  # the branch that changed, tried
+    monkeypatch.setattr(projection, "_ranks_for_stage3", _ranks_by_stepping)
+    assert closed == [recommend(**kw) for kw in calls]
+
+
+@pytest.mark.parametrize("link", ["dgx_h100", "infiniband_ndr", "nvlink4", HAND])
+def test_the_fewest_ranks_for_stage_3_equal_stepping_one_rank_at_a_time(link):
+    for n_params in (1e6, 1.3e9, 7e9, 70e9, 123_456_789):
+        for world_size in (1, 3, 8) if link == "nvlink4" else (1, 3, 8, 64):  # one node
+            for precision, optimizer in (("mixed", "adam"), ("fp32", "sgd_momentum")):
+                rows = projection.candidates(n_params, 80 * GiB, world_size, link, 1.0,
+                                             precision, optimizer)
+                states = memory.model_state_bytes(n_params, 3, 1, precision, optimizer)
+                for share in (0.5, 0.9, 0.99, 1.01):  # of the room a rank would need at N=1
+                    rows[3]["activation_bytes"] = max(0.0, 72 * GiB - share * states["total"])
+                    args = (n_params, 80 * GiB, world_size, link, rows, precision, optimizer,
+                            projection.RESERVE_FRACTION)
+                    assert projection._ranks_for_stage3(*args) == _ranks_by_stepping(*args)
+
+
+def _tiny_room(n_params, room_bytes, buckets=32):
+    """recommend() arguments where stage 3's activations and floor leave `room_bytes` of an
+    80 GiB GPU (no reserve): every rank can hold only a few parameters."""
+    floor = projection.peak_floor_bytes(n_params, 3, buckets)
+    return dict(n_params=n_params, gpu_bytes=2**36, world_size=8, link="infiniband_ndr",
+                compute_s=1.0, activation_bytes=2**36 - floor - room_bytes, buckets=buckets,
+                reserve_fraction=0.0)
+
+
+@pytest.mark.parametrize("n_params", [1e7, 7e9])
+def test_recommend_finds_the_ranks_for_stage_3_in_closed_form(monkeypatch, n_params):
+    """56 bytes of room hold 3 parameters at 16 bytes each: stage 3 fits on ceil(Ψ/3) ranks,
+    not one fewer (failed before: stepping one rank at a time from Ψ x 16 / 56, 1e7
+    parameters took 50 s and 7e9 never answered)."""
+    fewest = -(-int(n_params) // 3)
+    assert memory.model_state_bytes(n_params, 3, fewest)["total"] <= 56
+    assert memory.model_state_bytes(n_params, 3, fewest - 1)["total"] > 56
+    calls = 0
+    real = memory.model_state_bytes
+
+    def counted(*args, **kwargs):
+        nonlocal calls
+        calls += 1
+        assert calls < 100, "recommend() is stepping through world sizes one at a time"
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(memory, "model_state_bytes", counted)
+    rec = recommend(**_tiny_room(n_params, 56))
+    assert not rec.fits and f"stage 3 fits on {fewest} ranks" in rec.reason
+
+
+@pytest.mark.parametrize("argument", ["n_params", "gpu_bytes", "compute_s", "activation_bytes",
+                                      "max_step_s", "world_size", "buckets"])
+def test_an_int_too_large_for_a_float_is_refused_naming_the_argument(argument):
+    """(failed before: OverflowError 'int too large to convert to float')."""
+    kwargs = {**dict(n_params=PSI_7B, gpu_bytes=80 * GiB, world_size=8, link="dgx_h100",
+                     compute_s=1.0), argument: 10**400}
+    with pytest.raises(ValueError, match=rf"^{argument} .*too large"):
+        recommend(**kwargs)
+    with pytest.raises(ValueError, match=r"^n_params .*too large"):
+        project_step(10**400, 3, 8, "dgx_h100", 1.0)
+    with pytest.raises(ValueError, match=r"^n_params .*too large"):
+        projection.peak_floor_bytes(10**400, 3)
+
+
+@pytest.mark.parametrize("argument", ["n_params", "gpu_bytes", "compute_s", "activation_bytes",
+                                      "max_step_s", "overlap", "reserve_fraction"])
+def test_a_nan_argument_is_refused_by_name(argument):
+    kwargs = {**dict(n_params=PSI_7B, gpu_bytes=80 * GiB, world_size=8, link="dgx_h100",
+                     compute_s=1.0), argument: float("nan")}
+    with pytest.raises(ValueError, match=rf"^{argument} "):
+        recommend(**kwargs)

@@ -18,8 +18,9 @@ measurement.
 
 from __future__ import annotations
 
-import math
+import sys
 from dataclasses import dataclass
+from fractions import Fraction
 from numbers import Integral
 
 from zero_lab import memory
@@ -29,14 +30,14 @@ from zero_lab.interconnect import (  # noqa: F401  (re-exported: the projection'
     MACHINES,
     Link,
     Machine,
-    _integer,
-    _number,
     collective_terms,
     collective_time,
     get_link,
     link_from_fit,
     max_world_size,
 )
+from zero_lab.interconnect import _integer as _checked_integer
+from zero_lab.interconnect import _number as _checked_number
 
 STAGES = (0, 1, 2, 3)
 GiB = 2**30
@@ -53,6 +54,26 @@ RESERVE_FRACTION = 0.10
 # Step times closer than this are a tie: the projection cannot rank them (notebook 07 shows
 # its error against measured steps).
 TIE = 0.05
+
+
+def _too_large(name: str, value) -> None:
+    """Refuse an int no float can hold (10**400): the projection computes in floats, where
+    it would raise OverflowError far from the argument that caused it."""
+    if isinstance(value, Integral) and not isinstance(value, bool) and \
+            abs(value) > sys.float_info.max:
+        raise ValueError(f"{name} is too large for a float: an int of {value.bit_length()} "
+                         f"bits, where a float holds less than 2**1024")
+
+
+def _number(name: str, value, **bounds):
+    """interconnect's check (a finite real within bounds), an oversized int refused too."""
+    _too_large(name, value)
+    return _checked_number(name, value, **bounds)
+
+
+def _integer(name: str, value, minimum: int = 1) -> int:
+    _too_large(name, value)
+    return _checked_integer(name, value, minimum)
 
 
 def _stage(stage) -> int:
@@ -223,6 +244,9 @@ def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute
     `project_step`, communicating in the working precision), meets_time (step_s <=
     max_step_s, True without a budget).
     """
+    _number("n_params", n_params)
+    _integer("world_size", world_size)
+    _integer("buckets", buckets)
     _number("gpu_bytes", gpu_bytes)
     _number("activation_bytes", activation_bytes, strict=False)
     _number("reserve_fraction", reserve_fraction, strict=False, top=0.9)
@@ -265,20 +289,23 @@ def _memory_words(row: dict) -> str:
 def _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision, optimizer,
                       reserve_fraction):
     """Fewest ranks (whole nodes on a Machine) at which stage 3 fits with its reserve, or
-    None if none can (activations and floor do not depend on N)."""
+    None if none can (activations and floor do not depend on N).
+
+    In closed form: at stage 3 a rank holds bytes_per_param x ceil(Ψ/N) bytes of states
+    (memory.model_state_bytes), which fit in `room` exactly when ceil(Ψ/N) <= m, the whole
+    parameters the room holds, that is when N >= ceil(Ψ/m). (Stepping N up one rank at a
+    time from an estimate took 50 s for 1e7 parameters when the room held only a few.)
+    """
     room = gpu_bytes * (1 - reserve_fraction) - rows[3]["activation_bytes"] - rows[3]["floor_bytes"]
     per_param = memory.bytes_per_param(precision, optimizer)["total"]
-    if room < per_param:
+    most = Fraction(room) // per_param  # parameters one rank can hold (exact: no rounding)
+    if most < 1:
         return None  # not even one parameter per rank would fit
     lk = get_link(link)
     node = lk.node_size if isinstance(lk, Machine) else 1
-
-    def whole_nodes(n: int) -> int:
-        return n if n <= node else -(-n // node) * node
-
-    n = whole_nodes(max(world_size + 1, math.ceil(per_param * n_params / room)))
-    while memory.model_state_bytes(n_params, 3, n, precision, optimizer)["total"] > room:
-        n = whole_nodes(n + 1)  # ceil(Ψ/N) partitions: a few steps past the estimate at most
+    n = max(world_size + 1, -(-int(n_params) // most))  # more ranks than now, and enough
+    if n > node:
+        n = -(-n // node) * node  # whole nodes
     top = max_world_size(lk)
     return n if top is None or n <= top else None
 
