@@ -26,7 +26,8 @@ re-exported here, so a script and a notebook import from one place):
     report({"rank": info.rank})
 
 In a notebook, `%load_ext zero_lab.launch` adds the cell magic `%%rank_script PATH`, which saves
-the cell as the worker script PATH (like %%writefile, without its "Writing PATH" line).
+the cell as the worker script PATH (like %%writefile, line read the same way, without its
+"Writing PATH" line).
 
 Why a launch failed, and which rank to blame, is worked out in `zero_lab.launch_failures`.
 """
@@ -37,6 +38,7 @@ import contextlib
 import json
 import os
 import queue
+import re
 import shutil
 import signal
 import subprocess
@@ -298,13 +300,33 @@ def load_ipython_extension(ipython) -> None:
 
 
 def rank_script(line: str, cell: str) -> None:
-    """%%rank_script PATH: save the cell as the worker script PATH (folders made); run nothing.
+    """%%rank_script [-a] PATH: save the cell as the worker script PATH (folders made); run nothing.
 
     %%writefile does the same and prints "Writing PATH" / "Overwriting PATH" every time; the
     cell already shows the code, and the kernel never runs a rank script: torchrun's ranks do.
+    The line is read as %%writefile reads it: quotes around a path with spaces, ~ for the
+    home folder, -a to append; anything else on the line is refused.
     """
-    if not line.strip():
-        raise ValueError("%%rank_script needs the path to write, e.g. %%rank_script workers/x.py")
-    path = Path(line.strip())
+    path, append = _script_path(line)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(cell, encoding="utf-8")
+    with path.open("a" if append else "w", encoding="utf-8") as f:
+        f.write(cell)
+
+
+def _script_path(line: str) -> tuple[Path, bool]:
+    """(path, append) from a %%rank_script line, parsed by %%writefile's own argument parser
+    and then, as %%writefile does, one pair of surrounding quotes dropped and ~ expanded."""
+    from IPython.core.error import UsageError  # only a notebook kernel comes here
+    from IPython.core.magic_arguments import parse_argstring
+    from IPython.core.magics.osm import OSMagics
+
+    if not line.strip():
+        raise UsageError("%%rank_script needs the path to write, e.g. %%rank_script workers/x.py")
+    try:
+        args = parse_argstring(OSMagics.writefile, line)
+    except ValueError as exc:  # the line's quotes do not pair up
+        raise UsageError(f"%%rank_script {line.strip()}: {exc}") from None
+    name = args.filename
+    if re.match(r"""^('.*')|(".*")$""", name):  # %%writefile's own test, as it writes it
+        name = name[1:-1]
+    return Path(os.path.expanduser(name)), args.append
