@@ -359,7 +359,7 @@ def test_containers_equal_the_pairwise_definition():
         outers = [span(f"o{i}") for i in range(6)] + events[:2]
         position = {id(o): i for i, o in enumerate(outers)}
 
-        def which(found):  # each event's containers, as positions in `outers`
+        def which(found, position=position):  # containers, as positions in `outers`
             return [sorted(position[id(o)] for o in held) for held in found]
         assert which(analysis._containers(events, outers)) == \
             which(_containers_by_pairs(events, outers))

@@ -35,7 +35,6 @@ import json
 import math
 from bisect import bisect_right
 from dataclasses import dataclass, field
-from numbers import Real
 from pathlib import Path
 
 from zero_lab.profiling import intervals as iv
@@ -177,8 +176,9 @@ def _complete_events(path: Path, events: list) -> list[dict]:
                 raise ValueError(f"{event} has no {key!r}")
         for key in ("ts", "dur"):
             value = e[key]
-            if not (isinstance(value, Real) and not isinstance(value, bool)
-                    and math.isfinite(value)) or (key == "dur" and value < 0):
+            # JSON gives int or float (True is a bool, not a number here); NaN is refused
+            if type(value) not in (int, float) or not math.isfinite(value) or (
+                    key == "dur" and value < 0):
                 raise ValueError(f"{event} has {key} {value!r}: a time must be a finite "
                                  f"number of microseconds, a duration >= 0")
         category = e.get("cat", "")
