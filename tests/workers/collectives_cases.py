@@ -204,7 +204,7 @@ def ledger_blocks(rank: int, n: int) -> dict:
             dist.all_reduce(torch.ones(3))
     blocks["nested_outer"] = outer.as_dicts()
     blocks["nested_inner"] = inner.as_dicts()
-    return ({"blocks": blocks})
+    return {"blocks": blocks}
 
 
 def direct_exchange(rank: int, n: int, rand) -> dict:
