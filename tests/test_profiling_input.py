@@ -126,6 +126,12 @@ def test_a_gzipped_trace_reads_as_the_plain_one(tmp_path):
     trace = load_trace(zipped)
     assert trace.events == load_trace(plain).events and trace.path == zipped
     assert (trace.rank, trace.world_size) == (0, 2)
+    zipped.write_bytes(zipped.read_bytes()[:40])  # cut short: refused by name, not a crash
+    with pytest.raises(ValueError, match=r"host_1\.1\.pt\.trace\.json\.gz: not a readable"):
+        load_trace(zipped)
+    zipped.write_bytes(zipped.read_bytes()[:10] + b"\xff" * 30)  # corrupt deflate data
+    with pytest.raises(ValueError, match=r"host_1\.1\.pt\.trace\.json\.gz: not a readable"):
+        load_trace(zipped)
 
 
 def test_the_json_array_chrome_format_reads_with_or_without_its_closing_bracket(tmp_path):

@@ -33,6 +33,7 @@ from __future__ import annotations
 import gzip
 import json
 import math
+import zlib
 from bisect import bisect_right
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -139,7 +140,7 @@ def _read(path: Path) -> tuple[list, dict]:
         if data[:2] == b"\x1f\x8b":  # gzip's magic number, whatever the file is called
             data = gzip.decompress(data)
         data = _json(data.decode("utf-8"))
-    except (OSError, EOFError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, EOFError, zlib.error, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a readable Chrome-trace JSON ({exc})") from None
     if isinstance(data, list):
         return data, {}
