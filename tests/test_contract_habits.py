@@ -176,10 +176,14 @@ def test_buffers_follow_rank_0_before_every_training_forward_as_torch_ddp(ranks)
     """A buffer forward updates and reads (an EMA): with broadcast_buffers=True (the default,
     as torch's DDP) every rank starts each training forward from rank 0's buffers, and the
     weights and each rank's buffer end as DDP's; full_state_dict holds rank 0's buffer on every
-    rank. broadcast_buffers=False: each rank keeps its own, as DDP with the same option."""
+    rank. broadcast_buffers=False: each rank keeps its own, as DDP with the same option. And
+    when the buffer changes on some ranks only (rank 0 never updates it), the ranks still
+    agree to broadcast, as DDP, which broadcasts every time (before: the ranks that saw no
+    change sent nothing, and the others' broadcast met another collective)."""
     found = runs(ranks, "buffers")
-    assert {(r["broadcast_buffers"], r["stage"]) for _, r in found} == {
-        (b, s) for b in (True, False) for s in range(4)}
+    assert {(r["broadcast_buffers"], r["not_on_rank0"], r["stage"]) for _, r in found} == {
+        (b, only, s) for b, only in ((True, False), (False, False), (True, True))
+        for s in range(4)}
     for rank, r in found:
         assert "error" not in r, (rank, r)
         assert r["params_diff"] <= FP32_ATOL, (rank, r)
@@ -259,4 +263,4 @@ def test_the_lockstep_check_is_one_control_record_a_step_apart_from_the_data(ran
         assert r["control"] == [["all_gather", 24 * n]], (rank, r)
         assert r["ops"] == (["all_reduce"] if r["stage"] == 0
                             else ["all_gather", "reduce_scatter"]), (rank, r)
-        assert f"(and 1 lockstep check(s) of {24 * n} bytes, not counted above)" in r["table"]
+        assert f"(and 1 control message(s) of {24 * n} bytes, not counted above)" in r["table"]

@@ -346,9 +346,13 @@ class EMAShift(nn.Module):
         self.lin = nn.Linear(D, D)
         self.register_buffer("ema", torch.zeros(D))
 
+    # Rank 0 never updates the EMA (as a data-dependent update might skip a rank's batch):
+    # the ranks then disagree on whether a buffer changed.
+    not_on_rank0 = False
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.lin(x)
-        if self.training:
+        if self.training and not (self.not_on_rank0 and dist.get_rank() == 0):
             with torch.no_grad():
                 self.ema.mul_(0.5).add_(0.5 * h.mean(0))
         return h - self.ema
@@ -368,7 +372,8 @@ def buffers(rank: int, world: int) -> list[dict]:
             opt.zero_grad()
 
     out = []
-    for broadcast in (True, False):
+    for broadcast, not_on_rank0 in ((True, False), (False, False), (True, True)):
+        EMAShift.not_on_rank0 = not_on_rank0
         torch.manual_seed(SEED + 1)
         ddp = DDP(ema_model(), broadcast_buffers=broadcast)
         train(ddp, adam(ddp.parameters()))
@@ -376,7 +381,8 @@ def buffers(rank: int, world: int) -> list[dict]:
         for stage in range(4):
             torch.manual_seed(SEED + 1 + rank)
             kwargs = {} if broadcast else {"broadcast_buffers": False}
-            result = {"stage": stage, "broadcast_buffers": broadcast}
+            result = {"stage": stage, "broadcast_buffers": broadcast,
+                      "not_on_rank0": not_on_rank0}
             try:
                 model, opt = shard(ema_model(), stage, adam, **kwargs)
                 train(model, opt)
@@ -393,6 +399,7 @@ def buffers(rank: int, world: int) -> list[dict]:
             result["own_ema_diff"] = (own - ref["0.ema"]).abs().max().item()
             result["full_ema_vs_rank0"] = (full["0.ema"] - everyone[0]["0.ema"]).abs().max().item()
             out.append(result)
+    EMAShift.not_on_rank0 = False
     return out
 
 

@@ -82,8 +82,8 @@ class CommLedger(TorchDispatchMode):
     def __init__(self) -> None:
         super().__init__()
         self.records: list[CommRecord] = []
-        # Control messages, kept apart from the data: the stages' lockstep check (a few
-        # bytes a step, stages/lockstep.py). Not in count(), total_bytes() or volume().
+        # Control messages, kept apart from the data: the stages' lockstep check and buffer
+        # agreement (a few bytes a step). Not in count(), total_bytes() or volume().
         self.control: list[CommRecord] = []
         self._muted = 0  # > 0 inside `recorded_as`: the messages are already accounted for
 
@@ -155,7 +155,7 @@ class CommLedger(TorchDispatchMode):
         lines.append(f"{'total':<15}{'':>12}{'':>10}{self.payload_bytes():>14,}"
                      f"{self.total_bytes():>15,.0f}")
         if self.control:
-            lines.append(f"(and {len(self.control)} lockstep check(s) of "
+            lines.append(f"(and {len(self.control)} control message(s) of "
                          f"{sum(r.nbytes for r in self.control):,} bytes, not counted above)")
         return "\n".join(lines)
 
@@ -291,16 +291,16 @@ def recorded_as(op: str, tensor: torch.Tensor, group_size: int,
 
 
 @contextmanager
-def control_message(tensor: torch.Tensor, group_size: int) -> Iterator[None]:
-    """Inside the block, active ledgers put the collective in `ledger.control`, apart from the
-    records: the stages' lockstep check (stages/lockstep.py) sends a few bytes a step to
-    compare where the ranks are, which is not the data whose volume the ZeRO paper counts.
-    `tensor` is the full message (the all-gather's output)."""
+def control_message(op: str, tensor: torch.Tensor, group_size: int,
+                    source: str) -> Iterator[None]:
+    """Inside the block, active ledgers put the collective `op` in `ledger.control`, apart
+    from the records: a few bytes the stages send to agree on what to do (the lockstep check,
+    stages/lockstep.py; whether buffers changed, stages/buffers.py), which are not the data
+    whose volume the ZeRO paper counts. `tensor` is the full message, `source` who sent it."""
     in_backward = torch._C._current_graph_task_id() != -1
     ledgers = list(_ACTIVE_LEDGERS)
     for ledger in ledgers:
-        ledger.control.append(_record("all_gather", [tensor], group_size, False, in_backward,
-                                      "zero_lab.stages.lockstep"))
+        ledger.control.append(_record(op, [tensor], group_size, False, in_backward, source))
         ledger._muted += 1
     try:
         yield

@@ -41,7 +41,7 @@ from collections.abc import Callable, Iterable
 
 from zero_lab.profiling import intervals as iv
 from zero_lab.profiling.capture import STEP
-from zero_lab.profiling.marks import LOCKSTEP_CHECK, WAIT
+from zero_lab.profiling.marks import CONTROL, WAIT
 from zero_lab.profiling.trace import Event, Trace, is_collective_mark
 
 CATEGORIES = ("compute", "optimizer", "exposed_comm", "idle")  # they sum to the step
@@ -216,14 +216,15 @@ def collectives(trace: Trace) -> list[dict]:
     "start", "step"}.
 
     zero_lab's marks are read first; torch ops inside them are the same collective (the
-    direct exchange's isend/irecv, or torch's collective) and are not counted again. The
-    lockstep check ("check / lockstep", 24 bytes a rank) is control, not data: left out, as
-    the CommLedger leaves it out of its records. O(n log n) (`_containers`).
+    direct exchange's isend/irecv, or torch's collective) and are not counted again. Control
+    messages ("check / lockstep", 24 bytes a rank; "check / buffers changed", 1 byte) are
+    not data: left out, as the CommLedger leaves them out of its records. O(n log n)
+    (`_containers`).
     """
     step_of = _step_finder(recorded_steps(trace))
     events = sorted(trace.events, key=lambda e: (e.start, -e.end))
     marks = [e for e in events if is_collective_mark(e.name)]
-    checks = [e for e in events if e.name == LOCKSTEP_CHECK]  # control, not data: skipped
+    checks = [e for e in events if e.name.startswith(CONTROL)]  # control, not data: skipped
     ops = [e for e in events if e.name in _TORCH_OPS]
     ops = [e for e, held in zip(ops, _containers(ops, checks), strict=True) if not held]
     # A torch op inside another is the same call seen twice (a dispatch mode such as the

@@ -11,7 +11,8 @@ A trace of `shard(model, stage)` reads like the lesson:
     optimizer step              ShardedOptimizer.step(): the update and, at stages 1-2,
                                 the all-gather of the updated slices
     zero_grad
-    check / lockstep            the ranks compare where they are, once a step (lockstep.py):
+    check / lockstep            the ranks compare where they are, once a step (lockstep.py)
+    check / buffers changed     ... and whether a buffer changed on any rank (buffers.py):
                                 control, not data; not counted among the collectives
 
 `mark(name)` is `torch.profiler.record_function(name)` when a profiler is recording and a
@@ -31,7 +32,9 @@ COLLECTIVES = ("all-gather", "reduce-scatter", "all-reduce", "broadcast")  # iss
 WAIT = "wait / "  # prefix of the marks that wait for a collective issued earlier
 OPTIMIZER_STEP = "optimizer step"
 ZERO_GRAD = "zero_grad"
-LOCKSTEP_CHECK = "check / lockstep"
+CONTROL = "check / "  # prefix of the marks of control messages (not data)
+LOCKSTEP_CHECK = CONTROL + "lockstep"
+BUFFERS_CHECK = CONTROL + "buffers changed"
 
 _NOTHING = contextlib.nullcontext()
 

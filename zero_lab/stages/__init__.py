@@ -55,10 +55,11 @@ from zero_lab.stages.sharded_optimizer import (
     refuse_outside_optimizers,
 )
 from zero_lab.stages.torch_clipping import route_torch_clipping
+from zero_lab.stages.units import make_units
 from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
 from zero_lab.stages.zero1 import Zero1, ZeroRedundancyOptimizer
 from zero_lab.stages.zero2 import Zero2
-from zero_lab.stages.zero3 import Zero3, make_units
+from zero_lab.stages.zero3 import Zero3
 
 __all__ = ["shard", "full_state_dict", "ShardedOptimizer", "ZeroRedundancyOptimizer",
            "DataParallel", "Zero1", "Zero2", "Zero3"]

@@ -83,7 +83,8 @@ class Lockstep:
                             device=self.device)
         start = time.perf_counter()
         everyone = mine.new_empty(self.world_size * 3)
-        with mark(LOCKSTEP_CHECK), control_message(everyone, self.world_size):
+        with mark(LOCKSTEP_CHECK), control_message("all_gather", everyone, self.world_size,
+                                                    "zero_lab.stages.lockstep"):
             dist.all_gather_single(everyone, mine, group=self.process_group)
         rows = [tuple(row) for row in everyone.view(self.world_size, 3).tolist()]
         self.seconds += time.perf_counter() - start

@@ -4,7 +4,8 @@ A *unit* is a module whose trainable parameters stage 3 gathers and releases tog
 FSDP wraps modules. `plan_units` decides which parameters each unit holds (a tied or shared
 weight goes to the unit that encloses all its users); `Unit` keeps one unit's flat layout,
 this rank's slice of it, and the full buffer that exists only while the unit computes, with
-the three moves of its lifecycle: start the all-gather, finish it, release. zero3.py drives
+the three moves of its lifecycle: start the all-gather, finish it, release; `make_units` does
+all of it for a model (cut, broadcast rank 0's values, keep this rank's slice). zero3.py drives
 them from module and autograd hooks. Between its calls a unit's parameters rest as their
 1-D pieces, guarded against reads that would take a piece for the parameter (at_rest.py).
 """
@@ -201,3 +202,36 @@ class Unit:
         g = self.group
         return (f"Unit({self.name}: {len(self.params)} params, numel={g.numel}, "
                 f"padded={g.padded_numel}, slice={g.shard_numel})")
+
+
+def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport: str,
+               compute_dtype: torch.dtype | None = None, replicate_root: bool = False
+               ) -> tuple[list[Unit], list[torch.Tensor]]:
+    """Cut `model` into units (units.py) and shard each: returns (units, fp32 slices).
+
+    Every rank starts from rank 0's parameters (one broadcast per unit) and keeps only its
+    slice, in memory of its own; with `replicate_root`, the root unit (the parameters no
+    other unit claims) is kept whole instead. With `compute_dtype` (mixed precision) the
+    slices, and so the all-gathers and reduce-scatters, are in that dtype, and the fp32
+    slices returned are the masters the optimizer steps; without, the list is empty.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    units, masters = [], []
+    for name, module, named in plan_units(model, unit_classes):
+        params = [p for _, p in named]
+        names = [n for n, _ in named]
+        group = FlatParamGroup(params, world, rank, names, transport=transport)
+        flat = group.flatten()
+        dist.broadcast(flat, src=0)  # every rank starts from rank 0's parameters
+        whole = replicate_root and module is model
+        local = flat if whole else group.shard(flat).clone()  # in memory of its own
+        if compute_dtype is not None:
+            masters.append(local)  # fp32, taken before anything is rounded
+            local = local.to(compute_dtype)
+            for p in params:  # the same layout, in the compute dtype
+                p.data = p.data.to(compute_dtype)
+            group = FlatParamGroup(params, world, rank, names, transport=transport)
+        del flat
+        group.label = f"unit {len(units)}"  # its collectives' names in a profiler trace
+        units.append(Unit(name, module, group, local, replicated=whole))
+    return units, masters

@@ -77,17 +77,16 @@ or optimizer state.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.partition import FlatParamGroup
 from zero_lab.profiling.marks import Span
 from zero_lab.stages.lockstep import order_fingerprint
-from zero_lab.stages.units import Unit, plan_units
+from zero_lab.stages.units import Unit
 from zero_lab.stages.zero2 import Zero2
 
 # ============================================================================ the stage
@@ -392,39 +391,3 @@ def _tensors(obj) -> list[torch.Tensor]:
     if isinstance(obj, dict):
         return [t for x in obj.values() for t in _tensors(x)]
     return []
-
-
-# ============================================================================ the units
-
-
-def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport: str,
-               compute_dtype: torch.dtype | None = None, replicate_root: bool = False
-               ) -> tuple[list[Unit], list[torch.Tensor]]:
-    """Cut `model` into units (units.py) and shard each: returns (units, fp32 slices).
-
-    Every rank starts from rank 0's parameters (one broadcast per unit) and keeps only its
-    slice, in memory of its own; with `replicate_root`, the root unit (the parameters no
-    other unit claims) is kept whole instead. With `compute_dtype` (mixed precision) the
-    slices, and so the all-gathers and reduce-scatters, are in that dtype, and the fp32
-    slices returned are the masters the optimizer steps; without, the list is empty.
-    """
-    world, rank = dist.get_world_size(), dist.get_rank()
-    units, masters = [], []
-    for name, module, named in plan_units(model, unit_classes):
-        params = [p for _, p in named]
-        names = [n for n, _ in named]
-        group = FlatParamGroup(params, world, rank, names, transport=transport)
-        flat = group.flatten()
-        dist.broadcast(flat, src=0)  # every rank starts from rank 0's parameters
-        whole = replicate_root and module is model
-        local = flat if whole else group.shard(flat).clone()  # in memory of its own
-        if compute_dtype is not None:
-            masters.append(local)  # fp32, taken before anything is rounded
-            local = local.to(compute_dtype)
-            for p in params:  # the same layout, in the compute dtype
-                p.data = p.data.to(compute_dtype)
-            group = FlatParamGroup(params, world, rank, names, transport=transport)
-        del flat
-        group.label = f"unit {len(units)}"  # its collectives' names in a profiler trace
-        units.append(Unit(name, module, group, local, replicated=whole))
-    return units, masters
