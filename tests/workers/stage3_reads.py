@@ -31,13 +31,13 @@ import warnings
 
 import torch
 import torch.distributed as dist
+from contract_habits import run_cases  # a sibling worker: one launch runs every case
 from stage_cases import error_message  # a sibling worker: `Type: message` of what fn() raises
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zero_lab import checkpoint as zero_checkpoint
 from zero_lab import workloads as W
-from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 
@@ -280,14 +280,7 @@ CASES = {
 
 
 def main() -> None:
-    info = init_worker()
-    results = {}
-    for name, case in CASES.items():
-        try:
-            results[name] = case(info.rank, info.world_size)
-        except Exception as exc:  # noqa: BLE001 - reported, the test says which case
-            results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    report(results)
+    run_cases(CASES)
 
 
 if __name__ == "__main__":

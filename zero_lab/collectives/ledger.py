@@ -11,6 +11,7 @@ autograd hooks, inside backward, functional collectives); see the class for how.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import asdict, dataclass
@@ -269,38 +270,35 @@ def _record(op, tensors, world_size, async_op, in_backward, torch_op, times=1) -
 _ACTIVE_LEDGERS: list[CommLedger] = []  # the ledgers whose `with` block is running
 
 
-@contextmanager
 def recorded_as(op: str, tensor: torch.Tensor, group_size: int,
-                async_op: bool = False) -> Iterator[None]:
+                async_op: bool = False) -> contextlib.AbstractContextManager:
     """Inside the block, active ledgers record one `op` on `tensor` (the full message in
     nccl-tests' sense, as in `CommRecord`) and ignore the point-to-point messages that
     implement it: `zero_lab.collectives.exchange` sends a reduce-scatter as 2(N-1)
     isend/irecv, which should read as the reduce-scatter it is, with the same bytes sent
     per rank."""
-    in_backward = torch._C._current_graph_task_id() != -1
-    ledgers = list(_ACTIVE_LEDGERS)
-    for ledger in ledgers:
-        ledger.records.append(_record(op, [tensor], group_size, async_op, in_backward,
-                                      "zero_lab.collectives.exchange"))
-        ledger._muted += 1
-    try:
-        yield
-    finally:
-        for ledger in ledgers:
-            ledger._muted -= 1
+    return _noted_once("records", op, tensor, group_size, async_op,
+                       "zero_lab.collectives.exchange")
 
 
-@contextmanager
 def control_message(op: str, tensor: torch.Tensor, group_size: int,
-                    source: str) -> Iterator[None]:
+                    source: str) -> contextlib.AbstractContextManager:
     """Inside the block, active ledgers put the collective `op` in `ledger.control`, apart
     from the records: a few bytes the stages send to agree on what to do (the lockstep check,
     stages/lockstep.py; whether buffers changed, stages/buffers.py), which are not the data
     whose volume the ZeRO paper counts. `tensor` is the full message, `source` who sent it."""
+    return _noted_once("control", op, tensor, group_size, False, source)
+
+
+@contextmanager
+def _noted_once(where: str, op: str, tensor: torch.Tensor, group_size: int, async_op: bool,
+                source: str) -> Iterator[None]:
+    """Active ledgers note one `op` in `ledger.<where>` and ignore what the block issues."""
     in_backward = torch._C._current_graph_task_id() != -1
     ledgers = list(_ACTIVE_LEDGERS)
     for ledger in ledgers:
-        ledger.control.append(_record(op, [tensor], group_size, False, in_backward, source))
+        getattr(ledger, where).append(_record(op, [tensor], group_size, async_op, in_backward,
+                                              source))
         ledger._muted += 1
     try:
         yield
