@@ -21,16 +21,19 @@ def iter_consolidated(directory: Path | str, optimizer: bool = False
                       ) -> Iterator[tuple[str, torch.Tensor]]:
     """(name, full tensor) for every parameter (fp32; a tied weight under each of its names),
     buffer and frozen parameter; with `optimizer`, also ("optimizer.<state>.<name>", tensor)
-    for every optimizer state (element-wise ones in the parameter's shape)."""
+    for every optimizer state (element-wise ones in the parameter's shape). It keeps no
+    reference to a tensor once yielded: what the caller drops is freed before the next one is
+    read, so the peak is about the largest tensor (read in place, reader.py)."""
     manifest = read_manifest(directory)
-    verify_files(directory, manifest)
-    reader = Reader(directory, manifest)
+    verify_files(directory, manifest)  # it reads every file: verify them all up front
+    reader = Reader(directory, manifest, verify=False)
     for name, meta in manifest["parameters"].items():
         full = reader.read("value", name, 0, meta["numel"]).view(meta["shape"])
         yield name, full
         for alias, target in manifest["aliases"].items():
             if target == name:
                 yield alias, full
+        del full
         if optimizer:
             for key in reader.states_of(name):
                 if reader.is_scalar(key, name):

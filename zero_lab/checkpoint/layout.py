@@ -31,12 +31,15 @@ class Span:
     tensor: torch.Tensor
 
 
-def sharded_optimizer(model: nn.Module, optimizer) -> object:
-    """The ShardedOptimizer behind `model` (shard()'s), checked to be `optimizer`."""
+def sharded_optimizer(model: nn.Module, optimizer, weights_only: bool = False) -> object:
+    """The ShardedOptimizer behind `model` (shard()'s), checked to be `optimizer` (which may
+    be None with `weights_only`: the layout is still the optimizer's to tell)."""
     owner = getattr(model, SHARDED_ATTR, None)
     if owner is None:
         raise TypeError("checkpoints are of sharded models: call zero_lab.stages.shard(model, "
                         "stage) first (stage 0 is plain data parallelism)")
+    if optimizer is None and weights_only:
+        return owner
     if optimizer is not owner:
         raise TypeError("`optimizer` must be the one shard(model, ...) returned with this model")
     return owner

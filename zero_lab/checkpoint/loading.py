@@ -1,26 +1,42 @@
 """load(): a checkpoint into a sharded model at any stage and world size.
 
-Every check runs and every tensor is read into new memory first; only then are the model's
-parameters, the optimizer's states and settings and the buffers overwritten. So a load that
-fails (a missing or corrupted shard, another model's checkpoint) changes nothing.
+In three phases, the ranks agreeing after each (agreement.py), so that they go on or refuse
+together and a load that fails on any rank changes nothing on any rank:
+
+    1. which checkpoint: the published name is resolved once (a save may replace it
+       meanwhile, publication.py) and every rank compares the SHA-256 of the manifest it read:
+       ranks that name different checkpoints (a per-rank path, a `latest` read at different
+       times) refuse. Rank 0 checks the manifest's own checksum; the others read the very same
+       bytes.
+    2. every check, and every tensor this rank needs read into new memory: its files verified
+       (size, SHA-256) as it opens them, only those (reader.py).
+    3. nothing failed anywhere: the extras' states, then the model's parameters, the
+       optimizer's states and settings and the buffers are overwritten.
 
 What each rank reads is what its new layout holds: stages 0-2 keep every parameter whole
 (and, in mixed precision, fp32 masters of their slice), stage 3 its slice of each unit; the
 optimizer states of every piece it steps. Pieces are addressed by parameter and element
-range, so any saved layout serves any new one (N -> M, stage -> stage).
+range, so any saved layout serves any new one (N -> M, stage -> stage). The optimizer's groups
+take the settings of the saved groups that held their parameters (groups.py).
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
+import torch.distributed as dist
 
+from zero_lab.checkpoint import extras as extras_
+from zero_lab.checkpoint import groups as groups_
 from zero_lab.checkpoint import layout
+from zero_lab.checkpoint.agreement import failure, gather, refuse_together
 from zero_lab.checkpoint.manifest import (
+    MANIFEST,
     CheckpointError,
     check_same_model,
-    read_manifest,
+    read_manifest_bytes,
     verify_files,
 )
 from zero_lab.checkpoint.reader import Reader
@@ -43,57 +59,119 @@ def _param_homes(opt) -> list[tuple[torch.Tensor, int]]:
     return [(group.flat, 0) for group in opt.sync.groups]
 
 
-def load(model, optimizer, directory: Path | str) -> dict:
-    """Load `directory` into `model` (sharded by `shard()`, any stage) and its optimizer;
-    call it on every rank. Returns the manifest (its "step", "stage", "world_size", ...)."""
-    opt = layout.sharded_optimizer(model, optimizer)
-    manifest = read_manifest(directory)
-    verify_files(directory, manifest)
+def resolve(directory: Path) -> Path:
+    """The step directory a published name reaches (read once: every later read of this load
+    comes from it, even if a save replaces the name meanwhile)."""
+    return directory.parent / os.readlink(directory) if directory.is_symlink() else directory
+
+
+def load(model, optimizer, directory: Path | str, extras: dict | None = None) -> dict:
+    """Load `directory` into `model` (sharded by `shard()`, any stage) and its optimizer, and
+    the states of `extras` ({name: Stateful}, as given to save); call it on every rank.
+    `optimizer=None` loads the weights only (the parameters, fp32 masters in mixed precision,
+    buffers), e.g. to evaluate; the optimizer is left as it is. Returns the manifest."""
+    weights_only = optimizer is None
+    opt = layout.sharded_optimizer(model, optimizer, weights_only=weights_only)
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    # 1. Which checkpoint: every rank must have read the same manifest.
+    problem, manifest, identity, directory = None, {}, None, Path(directory)
+    try:
+        stateful = extras_.check_extras(extras)
+        directory = resolve(directory)
+        manifest, identity = read_manifest_bytes(directory, check_checksum=rank == 0)
+    except Exception as exc:  # noqa: BLE001 - told to every rank, raised on every rank
+        problem = failure(exc)
+    everyone = gather({"problem": problem, "identity": identity, "where": str(directory),
+                       "step": manifest.get("step"), "groups": groups_.local_names(opt)})
+    refuse_together([e["problem"] for e in everyone])
+    for r, e in enumerate(everyone):
+        if e["identity"] != everyone[0]["identity"]:
+            raise CheckpointError(
+                f"the ranks name different checkpoints: rank 0 loads {everyone[0]['where']} "
+                f"(step {everyone[0]['step']}), rank {r} {e['where']} (step {e['step']}). "
+                "Every rank must load the same checkpoint (a per-rank path, or a 'latest' "
+                "read at different times, mixes two); every rank refused")
+
+    # 2. Every check and every read, into new memory.
+    problem = None
+    try:
+        new = _read(model, opt, directory, manifest, weights_only, stateful,
+                    groups_.merged([e["groups"] for e in everyone]), rank, world)
+    except Exception as exc:  # noqa: BLE001
+        problem = failure(exc)
+    refuse_together(gather(problem))
+
+    # 3. Nothing failed on any rank: overwrite.
+    problem = None
+    try:
+        for name, obj in stateful.items():
+            obj.load_state_dict(new["extras"][name])
+    except Exception as exc:  # noqa: BLE001
+        problem = f"extras: {failure(exc)}"
+    refuse_together(gather(problem))
+    _overwrite(opt, new)
+    return manifest
+
+
+def _read(model, opt, directory: Path, manifest: dict, weights_only: bool, stateful: dict,
+          groups: list[list[str]], rank: int, world: int) -> dict:
+    """Everything load() will write, read and checked; nothing in the model changed."""
     others = layout.others(model, opt)
     check_same_model(directory, manifest, layout.logical_shapes(model, opt),
                      {name: list(t.shape) for name, t in others.items()})
-    saved_class = manifest["optimizer"]["class"]
-    ours = f"{type(opt.optim).__module__}.{type(opt.optim).__qualname__}"
-    if saved_class != ours:
-        raise CheckpointError(f"{directory}: saved with optimizer {saved_class}, loading into "
-                              f"{ours}")
-    saved_groups = manifest["optimizer"]["param_groups"]
-    if len(saved_groups) != len(opt.optim.param_groups):
-        raise CheckpointError(f"{directory}: saved with {len(saved_groups)} optimizer parameter "
-                              f"group(s), the optimizer has {len(opt.optim.param_groups)}")
+    matches = None
+    if not weights_only:
+        saved_class = manifest["optimizer"]["class"]
+        ours = f"{type(opt.optim).__module__}.{type(opt.optim).__qualname__}"
+        if saved_class != ours:
+            raise CheckpointError(f"{directory}: saved with optimizer {saved_class}, loading "
+                                  f"into {ours}")
+        matches = groups_.match_groups(str(directory / MANIFEST), manifest, groups)
     reader = Reader(directory, manifest)
-
-    # 1. Read everything into new tensors.
-    homes = [_filled(reader, group, base, home)
-             for group, (home, base) in zip(opt.sync.groups, _param_homes(opt), strict=True)]
-    masters = None
+    new: dict = {"others": {name: reader.other(name) for name in others}, "buffers": others,
+                 "matches": matches,
+                 "reader": reader, "homes": [], "masters": None, "states": None, "extras": {}}
+    new["homes"] = [_filled(reader, group, base, home) for group, (home, base)
+                    in zip(opt.sync.groups, _param_homes(opt), strict=True)]
     if opt.master_weights is not None:
-        masters = [_filled(reader, group, layout.group_base(opt, g), opt.targets[g])
-                   for g, group in enumerate(opt.sync.groups)]
-    states = []
-    for pc, view in zip(opt.pieces, opt.views, strict=True):
-        group = opt.sync.groups[pc.group]
-        name = group.names[pc.param]
-        start = layout.group_base(opt, pc.group) + pc.start - group.offsets[pc.param]
-        states.append({key: (reader.scalar(key, name) if reader.is_scalar(key, name)
-                             else reader.read("state", name, start, pc.numel, key).view_as(view))
-                       for key in reader.states_of(name)})
-    buffers = {name: reader.other(name) for name in others}
+        new["masters"] = [_filled(reader, group, layout.group_base(opt, g), opt.targets[g])
+                          for g, group in enumerate(opt.sync.groups)]
+    if not weights_only:
+        new["states"] = []
+        for pc, view in zip(opt.pieces, opt.views, strict=True):
+            group = opt.sync.groups[pc.group]
+            name = group.names[pc.param]
+            start = layout.group_base(opt, pc.group) + pc.start - group.offsets[pc.param]
+            new["states"].append({
+                key: (reader.scalar(key, name, near=start) if reader.is_scalar(key, name)
+                      else reader.read("state", name, start, pc.numel, key).view_as(view))
+                for key in reader.states_of(name)})
+    if stateful:
+        file = extras_.file_to_read(directory, manifest, sorted(stateful), rank, world)
+        verify_files(directory, manifest, [file])
+        reader.verified.append(file)
+        new["extras"] = extras_.load_file(directory / file)
+    new["settings"] = manifest["optimizer"]["param_groups"]
+    return new
 
-    # 2. Nothing failed: overwrite.
+
+def _overwrite(opt, new: dict) -> None:
     with torch.no_grad():
-        for (home, _), new in zip(_param_homes(opt), homes, strict=True):
-            home.copy_(new)
-        if masters is not None:
-            for target, new in zip(opt.targets, masters, strict=True):
-                target.copy_(new)
-        for view, state in zip(opt.views, states, strict=True):
-            opt.optim.state.pop(view, None)
-            if state:
-                opt.optim.state[view] = state
-        for group, saved in zip(opt.optim.param_groups, saved_groups, strict=True):
-            for key, value in saved.items():
-                group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
-        for name, t in others.items():
-            t.copy_(buffers[name])
-    return manifest
+        for (home, _), values in zip(_param_homes(opt), new["homes"], strict=True):
+            home.copy_(values)
+        if new["masters"] is not None:
+            for target, values in zip(opt.targets, new["masters"], strict=True):
+                target.copy_(values)
+        if new["states"] is not None:
+            for view, state in zip(opt.views, new["states"], strict=True):
+                opt.optim.state.pop(view, None)
+                if state:
+                    opt.optim.state[view] = state
+            for group, j in zip(opt.optim.param_groups, new["matches"], strict=True):
+                if j is None:
+                    continue
+                for key, value in new["settings"][j].items():
+                    group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
+        for name, t in new["buffers"].items():
+            t.copy_(new["others"][name])

@@ -1,15 +1,18 @@
-"""save(): every rank writes what it holds; the checkpoint appears only when complete.
+"""save(): every rank writes what it holds; the checkpoint is published only when complete.
 
-The ranks write into a hidden directory beside the target (`.<name>.partial-<token>`); rank 0
-writes the manifest last, once every shard is written and hashed, then renames the directory
-into place (a previous checkpoint there is moved aside first and deleted after). A save that
-dies part-way leaves only the hidden directory: nothing that looks like a checkpoint, and an
-existing checkpoint under the same name untouched.
+In three phases, each ending in one small all-gather so that the ranks go on or refuse
+together (agreement.py):
+
+    1. check: `step`, the extras, the optimizer's settings, the target; every rank names the
+       same path and step. Nothing is written before this passes, so bad input leaves nothing.
+    2. write: each rank writes its shard (and its extras) into a hidden partial directory and
+       forces it to disk.
+    3. publish (rank 0): the manifest last, fsynced with the directory, then the name is
+       pointed at the new step directory in one atomic rename (publication.py).
 """
 
 from __future__ import annotations
 
-import shutil
 import uuid
 from pathlib import Path
 
@@ -17,7 +20,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from zero_lab.checkpoint import layout
+from zero_lab.checkpoint import extras as extras_
+from zero_lab.checkpoint import layout, publication
+from zero_lab.checkpoint.agreement import check_same, failure, gather, refuse_together
 from zero_lab.checkpoint.manifest import FORMAT, MANIFEST, CheckpointError, sha256, write_manifest
 
 
@@ -32,32 +37,71 @@ def _jsonable(key: str, value):
                           "numbers, strings, booleans and lists of them can be saved")
 
 
-def _check_target(directory: Path) -> str | None:
-    """Why `directory` must not be replaced (None if it may)."""
+def check_step(step: object) -> None:
+    """`step` goes into the JSON manifest: a plain non-negative int, or None."""
+    if step is not None and (type(step) is not int or step < 0):
+        raise CheckpointError(f"step must be a non-negative int or None, got "
+                              f"{type(step).__module__}.{type(step).__qualname__} {step!r}"
+                              + (": pass int(step)" if hasattr(step, "__index__") else ""))
+
+
+def _check_target(directory: Path) -> None:
+    """Refuse a target that is not ours to replace."""
     if directory.exists() and not directory.is_dir():
-        return f"{directory} exists and is not a directory"
+        raise CheckpointError(f"{directory} exists and is not a directory")
     if directory.is_dir() and any(directory.iterdir()) and not (directory / MANIFEST).exists():
-        return (f"{directory} exists and is not a checkpoint (no {MANIFEST}); refusing to "
-                "overwrite it")
-    return None
+        raise CheckpointError(f"{directory} exists and is not a checkpoint (no {MANIFEST}); "
+                              "refusing to overwrite it")
 
 
-def save(model, optimizer, directory: Path | str, step: int | None = None) -> Path:
-    """Save `model` (sharded by `shard()`) and its optimizer into `directory`; call it on
-    every rank. `step` is recorded in the manifest. Returns the directory."""
+def _settings(opt) -> list[dict]:
+    return [{k: _jsonable(k, v) for k, v in pg.items() if k != "params"}
+            for pg in opt.optim.param_groups]
+
+
+def _write(path: Path, write) -> dict:
+    """Write a file with `write(path)`, force it to disk; its size and SHA-256."""
+    write(path)
+    publication.fsync_file(path)
+    return {"bytes": path.stat().st_size, "sha256": sha256(path)}
+
+
+def save(model, optimizer, directory: Path | str, step: int | None = None,
+         extras: dict | None = None) -> Path:
+    """Save `model` (sharded by `shard()`), its optimizer and the `extras` ({name: anything
+    with state_dict/load_state_dict}, see extras.py) under `directory`; call it on every
+    rank. `step` is recorded in the manifest. Returns the directory."""
     opt = layout.sharded_optimizer(model, optimizer)
     directory = Path(directory)
-    rank, world = dist.get_rank(), dist.get_world_size()
-    decided = [uuid.uuid4().hex[:12], _check_target(directory)] if rank == 0 else [None, None]
-    dist.broadcast_object_list(decided, src=0)  # one token, one verdict for every rank
-    token, refusal = decided
-    if refusal:
-        raise CheckpointError(refusal)
-    partial = directory.parent / f".{directory.name}.partial-{token}"
-    if rank == 0:
-        partial.mkdir(parents=True)
-    dist.barrier()
+    rank = dist.get_rank()
 
+    # 1. Check everything, agree on one checkpoint; nothing is written before this.
+    problem, settings, states, digests = None, [], {}, {}
+    try:
+        check_step(step)
+        stateful = extras_.check_extras(extras)
+        settings = _settings(opt)
+        states, digests = extras_.states(stateful)
+        if rank == 0:
+            _check_target(directory)
+    except Exception as exc:  # noqa: BLE001 - told to every rank, raised on every rank
+        problem = failure(exc)
+    everyone = gather({"problem": problem, "token": uuid.uuid4().hex[:12], "digests": digests,
+                       "names": (str(directory.absolute()), repr(step), sorted(digests))})
+    refuse_together([e["problem"] for e in everyone])
+    check_same("saves to (path, step, extras)", [e["names"] for e in everyone])
+    token = everyone[0]["token"]
+    partial = publication.hidden(directory, "partial", token)
+    problem = None
+    if rank == 0:
+        try:
+            publication.clean_leftovers(directory)
+            partial.mkdir(parents=True)
+        except OSError as exc:
+            problem = f"{partial}: cannot create the checkpoint directory ({exc})"
+    refuse_together(gather(problem))
+
+    # 2. Each rank writes what it holds, and forces it to disk.
     tensors, pieces, groups = {}, [], {}
     group_of = {id(t): k for k, pg in enumerate(opt.optim.param_groups) for t in pg["params"]}
     file = f"rank{rank}.safetensors"
@@ -69,50 +113,68 @@ def save(model, optimizer, directory: Path | str, step: int | None = None) -> Pa
         pieces.append({"file": file, "key": key, "kind": kind, "state": state,
                        "name": span.name, "start": span.start, "numel": span.numel})
 
-    for span in layout.value_spans(opt, rank):
-        keep("value", span)
-    for state, span in layout.state_spans(opt, rank):
-        keep("state", span, state)
-    for pc, view in zip(opt.pieces, opt.views, strict=True):
-        if id(view) in group_of:
-            groups[opt.sync.groups[pc.group].names[pc.param]] = group_of[id(view)]
-    if rank == 0:
-        for name, t in layout.others(model, opt).items():
-            keep("other", layout.Span(name, 0, t.numel(), t))
-    save_file(tensors, str(partial / file))
-    mine = {"file": file, "bytes": (partial / file).stat().st_size,
-            "sha256": sha256(partial / file), "pieces": pieces, "groups": groups}
-    everyone: list = [None] * world
-    dist.all_gather_object(everyone, mine)
+    mine: dict = {"problem": None, "files": {}, "digests": digests}
+    try:
+        for span in layout.value_spans(opt, rank):
+            keep("value", span)
+        for state, span in layout.state_spans(opt, rank):
+            keep("state", span, state)
+        for pc, view in zip(opt.pieces, opt.views, strict=True):
+            if id(view) in group_of:
+                groups[opt.sync.groups[pc.group].names[pc.param]] = group_of[id(view)]
+        if rank == 0:
+            for name, t in layout.others(model, opt).items():
+                keep("other", layout.Span(name, 0, t.numel(), t))
+        mine["files"][file] = _write(partial / file, lambda p: save_file(tensors, str(p)))
+        tensors.clear()  # the copies, freed before the extras and the manifest
+        if states:
+            mine["files"][extras_.file_of(rank)] = _write(
+                partial / extras_.file_of(rank), lambda p: torch.save(states, p))
+        mine.update(pieces=pieces, groups=groups)
+    except Exception as exc:  # noqa: BLE001 - a full disk on one rank stops every rank
+        mine["problem"] = failure(exc)
+    everyone = gather(mine)
+    refuse_together([e["problem"] for e in everyone])
 
+    # 3. Rank 0: the manifest, last, then publication.
+    problem = None
     if rank == 0:
-        params = layout.trainable(opt)
-        shapes = layout.logical_shapes(model, opt)
-        param_groups = {k: v for r in everyone for k, v in r["groups"].items()}
-        manifest = {
-            "format": FORMAT, "stage": opt.sync.stage, "world_size": world, "step": step,
-            "parameters": {name: {"shape": shapes[name],
-                                  "numel": int(torch.Size(shapes[name]).numel()),
-                                  "dtype": str(p.dtype).removeprefix("torch."),
-                                  "param_group": param_groups.get(name)}
-                           for name, p in params.items()},
-            "others": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                       for name, t in layout.others(model, opt).items()},
-            "aliases": layout.aliases(model, opt),
-            "layout": [{"label": g.label, "params": g.names, "numel": g.numel,
-                        "padded_numel": g.padded_numel, "shard_numel": g.shard_numel}
-                       for g in opt.sync.groups],
-            "optimizer": {"class": f"{type(opt.optim).__module__}.{type(opt.optim).__qualname__}",
-                          "param_groups": [{k: _jsonable(k, v) for k, v in pg.items()
-                                            if k != "params"} for pg in opt.optim.param_groups]},
-            "files": {r["file"]: {"bytes": r["bytes"], "sha256": r["sha256"]} for r in everyone},
-            "pieces": [p for r in everyone for p in r["pieces"]],
-        }
-        write_manifest(partial, manifest)
-        old = directory.parent / f".{directory.name}.old-{token}"
-        if directory.exists():
-            directory.rename(old)
-        partial.rename(directory)
-        shutil.rmtree(old, ignore_errors=True)
-    dist.barrier()
+        try:
+            _publish(model, opt, directory, partial, token, step, settings, everyone)
+        except Exception as exc:  # noqa: BLE001
+            problem = failure(exc)
+    refuse_together(gather(problem))
     return directory
+
+
+def _publish(model, opt, directory: Path, partial: Path, token: str, step: int | None,
+             settings: list[dict], everyone: list[dict]) -> None:
+    params = layout.trainable(opt)
+    shapes = layout.logical_shapes(model, opt)
+    param_groups = {k: v for r in everyone for k, v in r["groups"].items()}
+    digests = [r["digests"] for r in everyone]
+    manifest = {
+        "format": FORMAT, "id": token, "stage": opt.sync.stage, "world_size": len(everyone),
+        "step": step,
+        "parameters": {name: {"shape": shapes[name],
+                              "numel": int(torch.Size(shapes[name]).numel()),
+                              "dtype": str(p.dtype).removeprefix("torch."),
+                              "param_group": param_groups.get(name)}
+                       for name, p in params.items()},
+        "others": {name: {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
+                   for name, t in layout.others(model, opt).items()},
+        "aliases": layout.aliases(model, opt),
+        "layout": [{"label": g.label, "params": g.names, "numel": g.numel,
+                    "padded_numel": g.padded_numel, "shard_numel": g.shard_numel}
+                   for g in opt.sync.groups],
+        "optimizer": {"class": f"{type(opt.optim).__module__}.{type(opt.optim).__qualname__}",
+                      "param_groups": settings},
+        "extras": {name: {"same_on_every_rank": all(d[name] == digests[0][name]
+                                                    for d in digests)}
+                   for name in digests[0]},
+        "files": {name: meta for r in everyone for name, meta in r["files"].items()},
+        "pieces": [p for r in everyone for p in r["pieces"]],
+    }
+    write_manifest(partial, manifest)
+    publication.fsync_dir(partial)
+    publication.publish(partial, directory, step, token)
