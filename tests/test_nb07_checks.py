@@ -11,6 +11,10 @@ measures and rejects a mutant, the mistake it is there to catch.
     1. activations measured           check_saved_equals_formula          the s² term dropped
     1. activations vs states          check_activations_outgrow_states    a stage 3 that does
                                                                           not fall with N
+    2. collectives priced vs sent     check_projected_collectives         stage 3 gathering each
+                                                                          unit once, the projection
+                                                                          at DEFAULT_BUCKETS when
+                                                                          the ledger counts 2
     2. bytes sent vs projection       check_projected_bytes               the ring factor dropped
     3. decision table                 check_decision_table                recommend() without its
                                                                           reserve, 79.2 of 80 GiB,
@@ -118,6 +122,30 @@ def test_projected_bytes_check_rejects_a_projection_without_the_ring_factor():
     dropped = {(n, s): ring_bytes(psi, s, n) * n / (n - 1) for n, s in ledger}
     with pytest.raises(AssertionError, match="projected"):
         checks.check_projected_bytes(dropped, ledger)
+
+
+def test_projected_collectives_check_accepts_what_the_ledger_counts():
+    # the bench model's ledger (runs/scaling: 2 buckets at stages 0-2, 6 units at stage 3)
+    ledger = {(n, 0): {"all_reduce": 2} for n in (1, 2, 4)}
+    ledger.update({(n, s): {"reduce_scatter": 2, "all_gather": 2} for n in (1, 2, 4)
+                   for s in (1, 2)})
+    ledger.update({(n, 3): {"all_gather": 12, "reduce_scatter": 6} for n in (1, 2, 4)})
+    buckets = {0: 2, 1: 2, 2: 2, 3: 6}
+    projected = {(n, s): projection.project_step(1_575_936, s, n, "pcie4", 0.01, 4,
+                                                 buckets=buckets[s])["calls"]
+                 for n, s in ledger}
+    checks.check_projected_collectives(projected, ledger)
+
+
+def test_projected_collectives_check_rejects_a_wrong_count():
+    ledger = {(2, 3): {"all_gather": 12, "reduce_scatter": 6}, (2, 1): {"reduce_scatter": 2,
+                                                                        "all_gather": 2}}
+    once = {(2, 3): {"all_gather": 6, "reduce_scatter": 6}, (2, 1): ledger[2, 1]}  # no re-gather
+    default = {k: projection.project_step(1_575_936, k[1], 2, "pcie4", 0.01, 4)["calls"]
+               for k in ledger}  # DEFAULT_BUCKETS (32) where the stages send 2 and 6
+    for mutant in (once, default):
+        with pytest.raises(AssertionError, match="projected"):
+            checks.check_projected_collectives(mutant, ledger)
 
 
 # ------------------------------------------------------------------ section 3

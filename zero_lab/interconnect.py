@@ -10,21 +10,42 @@ nodes on each node's 1/g of the data (the network, every NIC carrying its share)
 all-reduce the mirror all-gathers. The bytes each rank sends are the flat ring's, (N-1)/N of
 the message; the latency is (g-1) fast steps plus (m-1) network steps, not (N-1) slow ones.
 
+A collective need not be a ring. On gloo the stages send their reduce-scatters and
+all-gathers as the direct exchange (`collectives/exchange.py`): every message posted at once,
+ONE round whatever N is, the same (N-1)/N of the bytes. A Link says which it prices
+(`algorithm`: "ring" or "exchange"), and `OpLinks` gives each collective its own Link: what a
+machine whose collectives travel by different transports really is (here: gloo's ring
+all-reduce for stage 0, the exchange for stages 1-3).
+
     collective_terms  one collective's latency and bandwidth terms, apart
     collective_time   their sum
+    latency_steps     the alpha latencies one collective pays: a ring's N-1 (all-reduce
+                      2(N-1)), the exchange's one round
     get_link          a Link or Machine by name (LINKS, MACHINES)
     link_from_fit     this machine's Link, from notebook 02's alpha-beta fit
+    fit_op_links      this machine's OpLinks: each op swept fitted alone, by its transport
 
-Every number here is a projection from published figures, never a measurement.
+The published links and machines are projections from published figures; the fitted ones
+are this machine's measurements, and describe this machine only.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
 
-from zero_lab.collectives.cost_model import RING_OPS, AlphaBetaModel, ring_bytes_sent, ring_steps
+from zero_lab.collectives.cost_model import (
+    RING_OPS,
+    AlphaBetaModel,
+    fit_alpha_beta_points,
+    ring_bytes_sent,
+    ring_steps,
+)
+
+ALGORITHMS = ("ring", "exchange")
+EXCHANGE_OPS = ("reduce_scatter", "all_gather")  # what the direct exchange implements
 
 
 def _number(name: str, value, *, minimum: float = 0.0, strict: bool = True, top=None):
@@ -46,24 +67,47 @@ def _integer(name: str, value, minimum: int = 1) -> int:
     return int(value)
 
 
+def latency_steps(op: str, world_size: int, algorithm: str = "ring") -> int:
+    """The alpha latencies one collective of `op` pays on N ranks, one after another.
+
+    "ring": `ring_steps`, N-1 (an all-reduce 2(N-1)): each step waits for the last.
+    "exchange": 1. The direct exchange posts all its N-1 messages at once and waits for them
+    together: one round, whatever N is (and nothing on one rank). It implements only the
+    reduce-scatter and the all-gather.
+    """
+    if algorithm == "ring":
+        return ring_steps(op, world_size)
+    if algorithm != "exchange":
+        raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; got {algorithm!r}")
+    if op not in EXCHANGE_OPS:
+        raise ValueError(f"the direct exchange sends {' and '.join(EXCHANGE_OPS)}, not {op!r}")
+    return 0 if world_size == 1 else 1
+
+
 @dataclass(frozen=True)
 class Link:
-    """One link class: `alpha` seconds of latency per ring step, `beta` seconds per byte one
+    """One link class: `alpha` seconds of latency per step, `beta` seconds per byte one
     rank sends (1 / bandwidth per direction; cost_model's `AlphaBeta.beta` is the bandwidth
     itself, `link_from_fit` converts). `domain`: the most ranks it can join (the GPUs of one
-    node for NVLink and PCIe), None for a network. `source`: where the numbers come from."""
+    node for NVLink and PCIe), None for a network. `source`: where the numbers come from.
+    `algorithm`: how a collective crosses it, so how many alphas it pays (`latency_steps`):
+    "ring" (every published link), or "exchange" (the direct exchange, one round)."""
 
     name: str
     alpha: float
     beta: float
     source: str
     domain: int | None = None
+    algorithm: str = "ring"
 
     def __post_init__(self):
         _number("alpha", self.alpha, strict=False)
         _number("beta", self.beta)
         if self.domain is not None:
             _integer("domain", self.domain, minimum=2)
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; "
+                             f"got {self.algorithm!r}")
 
     @property
     def bandwidth(self) -> float:
@@ -91,6 +135,32 @@ class Machine:
                              f"ranks, fewer than node_size {self.node_size}")
         if self.inter.domain is not None:
             raise ValueError(f"inter must be a network link (domain None); got {self.inter.name}")
+        if self.intra.algorithm != "ring" or self.inter.algorithm != "ring":
+            raise ValueError("a Machine's collectives run as rings inside and across nodes")
+
+
+@dataclass(frozen=True)
+class OpLinks:
+    """A Link per collective: `links[op]` prices `op`. What one machine is when its
+    collectives travel by different transports (on gloo: torch's all-reduce, and the
+    direct exchange for the stages' reduce-scatters and all-gathers), each fitted alone."""
+
+    name: str
+    links: Mapping[str, Link]
+    source: str = ""
+
+    def __post_init__(self):
+        if not self.links or not all(op in RING_OPS and isinstance(lk, Link)
+                                     for op, lk in self.links.items()):
+            raise ValueError(f"links must map ops ({', '.join(RING_OPS)}) to Links; "
+                             f"got {self.links!r}")
+
+    def link(self, op: str) -> Link:
+        """The Link `op` is priced on; an op that was not measured is refused."""
+        if op not in self.links:
+            raise ValueError(f"{self.name} has no link for {op!r}: it prices "
+                             f"{', '.join(self.links)}")
+        return self.links[op]
 
 
 # alpha: NCCL's own latency model, the per-step hardware latency of a ring with the Simple
@@ -128,13 +198,14 @@ MACHINES: dict[str, Machine] = {
 }
 
 
-def get_link(link: str | Link | Machine) -> Link | Machine:
-    """`link` itself if it is a Link or Machine, else the entry of LINKS or MACHINES it names."""
-    if isinstance(link, (Link, Machine)):
+def get_link(link: str | Link | Machine | OpLinks) -> Link | Machine | OpLinks:
+    """`link` itself if it is a Link, Machine or OpLinks, else the entry of LINKS or MACHINES
+    it names."""
+    if isinstance(link, (Link, Machine, OpLinks)):
         return link
     if isinstance(link, str) and link in {**LINKS, **MACHINES}:
         return {**LINKS, **MACHINES}[link]
-    raise ValueError(f"link must be a Link, a Machine or one of "
+    raise ValueError(f"link must be a Link, a Machine, an OpLinks or one of "
                      f"{', '.join(map(repr, [*LINKS, *MACHINES]))}; got {link!r}")
 
 
@@ -156,22 +227,69 @@ def link_from_fit(model: AlphaBetaModel, op: str = "all_reduce", name: str | Non
     return Link(name or f"fit:{used}", fit.alpha, 1.0 / fit.beta, source, domain)
 
 
-def max_world_size(link: str | Link | Machine) -> int | None:
-    """The most ranks `link` can join: a single-domain link's domain, else None (any)."""
+def fit_link(timings: Iterable[dict], op: str, algorithm: str = "ring", name: str | None = None,
+             domain: int | None = None) -> Link:
+    """A Link fitted to the timings of one `op` (`cost_model.time_collective` rows), in
+    relative error (`fit_alpha_beta_points`): t = latency_steps(op, N, algorithm) x alpha +
+    (N-1)/N-of-the-message bytes x beta. The exchange's alpha is the price of its one round,
+    which a ring's N-1 steps would divide among N-1 (at N = 2 the two agree)."""
+    rows = [t for t in timings if t["op"] == op and t["world_size"] > 1]
+    if len(rows) < 2:
+        raise ValueError(f"need at least two timings of {op} on more than one rank; "
+                         f"got {len(rows)}")
+    fit = fit_alpha_beta_points([latency_steps(op, r["world_size"], algorithm) for r in rows],
+                                [ring_bytes_sent(op, r["nbytes"], r["world_size"]) for r in rows],
+                                [r["seconds"] for r in rows])
+    per = "round" if algorithm == "exchange" else "ring step"
+    source = (f"measured: alpha-beta fit of {op} ({algorithm}) on this machine "
+              f"(alpha {fit.alpha * 1e6:.1f} us/{per}, {fit.beta / 1e9:.2f} GB/s)")
+    return Link(name or f"fit:{op}", fit.alpha, 1.0 / fit.beta, source, domain, algorithm)
+
+
+def fit_op_links(timings: Iterable[dict], name: str = "this machine") -> OpLinks:
+    """This machine's OpLinks: every op swept (`workers/collective_sweep.py`) fitted alone
+    (`fit_link`), by the transport that sent it: a row with "transport": "direct" is the
+    direct exchange (one round), any other torch's collective (a ring). An op swept by both
+    transports is refused: sweep the one the stages really send."""
+    timings = list(timings)
+    transports: dict[str, set] = {}
+    for t in timings:
+        transports.setdefault(t["op"], set()).add(t.get("transport", "torch"))
+    both = [op for op, ts in transports.items() if len(ts) > 1]
+    if both:
+        raise ValueError(f"{', '.join(both)} timed by two transports: keep the one the stages "
+                         f"send")
+    links = {}
+    for op, (transport,) in transports.items():
+        algorithm = "exchange" if transport == "direct" else "ring"
+        links[op] = fit_link(timings, op, algorithm, name=f"{name}: {op}")
+    return OpLinks(name, links, "measured: one alpha-beta fit per op, by its transport")
+
+
+def max_world_size(link: str | Link | Machine | OpLinks) -> int | None:
+    """The most ranks `link` can join: a single-domain link's domain (the smallest of an
+    OpLinks' domains), else None (any)."""
     lk = get_link(link)
+    if isinstance(lk, OpLinks):
+        domains = [x.domain for x in lk.links.values() if x.domain is not None]
+        return min(domains) if domains else None
     return lk.domain if isinstance(lk, Link) else None
 
 
 def _ring(op: str, nbytes: float, n: int, link: Link) -> tuple[float, float]:
-    """(latency, bandwidth) seconds of a flat ring of n ranks on one link class."""
-    return ring_steps(op, n) * link.alpha, ring_bytes_sent(op, nbytes, n) * link.beta
+    """(latency, bandwidth) seconds of one collective of n ranks on one link class: its
+    algorithm's steps (a ring's, or the exchange's one round), the ring's bytes."""
+    return (latency_steps(op, n, link.algorithm) * link.alpha,
+            ring_bytes_sent(op, nbytes, n) * link.beta)
 
 
-def collective_terms(op: str, nbytes: float, world_size: int, link: str | Link | Machine
-                     ) -> dict[str, float]:
+def collective_terms(op: str, nbytes: float, world_size: int,
+                     link: str | Link | Machine | OpLinks) -> dict[str, float]:
     """One collective's {"latency_s", "bandwidth_s"}: steps x alpha and bytes sent x beta.
 
-    On a Link, the ring: ring_steps 2(N-1) for all-reduce, N-1 for the others; bytes sent
+    On an OpLinks, `op`'s own Link. On a Link of algorithm "exchange", one round: 1 x alpha,
+    and the ring's bytes. On a ring Link: ring_steps 2(N-1) for all-reduce, N-1 for the
+    others; bytes sent
     2(N-1)/N x nbytes for all-reduce, (N-1)/N x nbytes for reduce-scatter and all-gather,
     nbytes for broadcast (`nbytes` is the full message, as in cost_model). A single-domain
     link refuses N above its domain. On a Machine with N <= node_size, the intra link's
@@ -185,6 +303,8 @@ def collective_terms(op: str, nbytes: float, world_size: int, link: str | Link |
     _number("nbytes", nbytes)
     n = _integer("world_size", world_size)
     lk = get_link(link)
+    if isinstance(lk, OpLinks):
+        lk = lk.link(op)
     if isinstance(lk, Link):
         if lk.domain is not None and n > lk.domain:
             raise ValueError(f"{lk.name} joins at most {lk.domain} ranks (one node); got "
@@ -213,7 +333,8 @@ def collective_terms(op: str, nbytes: float, world_size: int, link: str | Link |
             "bandwidth_s": times * (inner[1] + outer[1])}
 
 
-def collective_time(op: str, nbytes: float, world_size: int, link: str | Link | Machine) -> float:
+def collective_time(op: str, nbytes: float, world_size: int,
+                    link: str | Link | Machine | OpLinks) -> float:
     """Seconds one collective takes on `link`: latency + bandwidth (`collective_terms`).
     N = 1 costs 0."""
     terms = collective_terms(op, nbytes, world_size, link)

@@ -2,9 +2,10 @@
 
 The course measures ZeRO on a few CPU ranks over gloo; this module asks what the same
 collectives would cost on real clusters, with the alpha-beta model and the links and
-machines of `interconnect` (published figures) or this machine's own fit. Every number it
-returns is a *projection*: ring (or hierarchical) collectives on equal links, equal buckets,
-and one overlap rule for every stage (`project_step`). Use it to reason about direction and
+machines of `interconnect` (published figures) or this machine's own fits (`OpLinks`: each
+collective priced by the transport that really sends it here). Every number it returns is a
+*projection*: ring, hierarchical or direct-exchange collectives on equal links, equal
+buckets, and one overlap rule for every stage (`project_step`). Use it to reason about direction and
 scale (is stage 2 nearly free here? does stage 3 pay off on this link?), never as a
 measurement.
 
@@ -30,9 +31,13 @@ from zero_lab.interconnect import (  # noqa: F401  (re-exported: the projection'
     MACHINES,
     Link,
     Machine,
+    OpLinks,
     collective_terms,
     collective_time,
+    fit_link,
+    fit_op_links,
     get_link,
+    latency_steps,
     link_from_fit,
     max_world_size,
 )
@@ -123,7 +128,9 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
                  bytes_per_elem: int = 2, buckets: int = DEFAULT_BUCKETS,
                  overlap: float = DEFAULT_OVERLAP, gather_after_step: bool = False) -> dict:
     """One data-parallel training step at ZeRO `stage`, projected on `link` (a Link or a
-    Machine, or its name).
+    Machine, or its name; or an OpLinks, which prices each kind of collective on its own
+    link: this machine's all-reduce as gloo's ring, its reduce-scatters and all-gathers as
+    the direct exchange's one round).
 
     Collectives (`_collectives`: Ψ x bytes_per_elem / buckets bytes each, `collective_terms`):
     stage 0 all-reduces the gradients; stages 1 and 2 reduce-scatter them and all-gather the
@@ -148,7 +155,8 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     Returns {"stage", "world_size", "link", "compute_s", "comm_s" (per collective kind),
     "comm_total_s", "latency_s" and "bandwidth_s" (comm_total_s's two terms),
     "bytes_sent" (per rank), "volume_psi" (the ZeRO paper's volume, in Ψ: 2, 2, 2, 3),
-    "collectives" (per step), "exposed_s", "step_s" (compute_s + exposed_s), "comm_share"}.
+    "collectives" (per step), "calls" (per step, by kind), "exposed_s", "step_s"
+    (compute_s + exposed_s), "comm_share"}.
     """
     _number("n_params", n_params)
     stage = _stage(stage)
@@ -189,7 +197,7 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
         "bandwidth_s": sum(c * terms[op]["bandwidth_s"] for op, c in calls.items()),
         "bytes_sent": sum(c * ring_bytes_sent(op, bucket, n) for op, c in calls.items()),
         "volume_psi": sum(c * zero_volume(op, 1) for op, c in calls.items()) / k,
-        "collectives": sum(calls.values()),
+        "collectives": sum(calls.values()), "calls": dict(calls),
         "exposed_s": exposed, "step_s": step, "comm_share": exposed / step,
     }
 

@@ -117,8 +117,23 @@ def _buffers(op: str, nbytes: int, n: int, device, dtype) -> tuple[int, tuple]:
                           "reduce_scatter": (part, full), "all_gather": (full, part)}[op]
 
 
-def _call(op: str, bufs: tuple) -> None:
-    if op == "all_reduce":
+# How a timed collective is sent: "torch" (torch.distributed's own) or "direct" (the
+# reduce-scatter and all-gather the stages send on gloo, `exchange.py`: one round of messages).
+TRANSPORTS = ("torch", "direct")
+
+
+def _call(op: str, bufs: tuple, transport: str = "torch") -> None:
+    if transport == "direct":
+        # imported here: exchange imports the ledger, which imports this module
+        from zero_lab.collectives import exchange
+
+        if op == "reduce_scatter":
+            exchange.reduce_scatter(bufs[0], bufs[1])
+        elif op == "all_gather":
+            exchange.all_gather(bufs[0], bufs[1])
+        else:
+            raise ValueError(f"the direct exchange cannot send {op!r}")
+    elif op == "all_reduce":
         dist.all_reduce(bufs[0])
     elif op == "broadcast":
         dist.broadcast(bufs[0], src=0)
@@ -143,21 +158,26 @@ def _slowest(seconds: float, device) -> float:
 
 
 def time_collective(op: str, nbytes: int, repeats: int = 3, target_s: float = 0.01,
-                    device="cpu", dtype=torch.float32) -> dict:
-    """Time torch's `op` on a message of about `nbytes` inside an initialised process group.
+                    device="cpu", dtype=torch.float32, transport: str = "torch") -> dict:
+    """Time `op` on a message of about `nbytes` inside an initialised process group, sent by
+    torch's collective or (`transport="direct"`) as the direct exchange (`exchange.py`).
 
     One warm-up call; then the calls are repeated back to back in batches lasting about
     `target_s` (so microsecond latencies are not lost in timer noise), `repeats` batches.
-    Returns {"op", "nbytes", "world_size", "seconds"}: the per-call time of the slowest rank
-    in the fastest batch (other processes sharing the machine can only add time, so the
-    fastest batch is the least disturbed), and `nbytes` the exact size used (rounded down
-    to N equal chunks).
+    Returns {"op", "nbytes", "world_size", "seconds", "transport"}: the per-call time of the
+    slowest rank in the fastest batch (other processes sharing the machine can only add time,
+    so the fastest batch is the least disturbed), and `nbytes` the exact size used (rounded
+    down to N equal chunks).
     """
+    if transport not in TRANSPORTS:
+        raise ValueError(f"transport must be one of {TRANSPORTS}; got {transport!r}")
+    if transport == "direct" and op not in ("reduce_scatter", "all_gather"):
+        raise ValueError(f"the direct exchange sends reduce_scatter and all_gather; got {op!r}")
     n = dist.get_world_size()
     nbytes, bufs = _buffers(op, nbytes, n, device, dtype)
     dist.barrier()
     start = time.perf_counter()
-    _call(op, bufs)
+    _call(op, bufs, transport)
     _sync(device)
     one = _slowest(time.perf_counter() - start, device)  # all ranks agree on the batch size
     calls = int(min(1000, max(1, target_s / max(one, 1e-7))))
@@ -166,17 +186,19 @@ def time_collective(op: str, nbytes: int, repeats: int = 3, target_s: float = 0.
         dist.barrier()
         start = time.perf_counter()
         for _ in range(calls):
-            _call(op, bufs)
+            _call(op, bufs, transport)
         _sync(device)
         per_call.append(_slowest((time.perf_counter() - start) / calls, device))
-    return {"op": op, "nbytes": nbytes, "world_size": n, "seconds": min(per_call)}
+    return {"op": op, "nbytes": nbytes, "world_size": n, "seconds": min(per_call),
+            "transport": transport}
 
 
 def sweep(ops: Iterable[str] = RING_OPS, sizes: Iterable[int] | None = None, repeats: int = 3,
-          target_s: float = 0.01, device="cpu") -> list[dict]:
+          target_s: float = 0.01, device="cpu", transport: str = "torch") -> list[dict]:
     """`time_collective` for every op and size; call it on every rank of a process group."""
     sizes = list(sizes) if sizes is not None else message_sizes()
-    return [time_collective(op, s, repeats, target_s, device) for op in ops for s in sizes]
+    return [time_collective(op, s, repeats, target_s, device, transport=transport)
+            for op in ops for s in sizes]
 
 
 def algbw(nbytes: float, seconds: float) -> float:
@@ -252,6 +274,10 @@ def fit_alpha_beta_points(steps: Sequence[float], sent: Sequence[float],
 def fit_alpha_beta(timings: Iterable[dict]) -> AlphaBetaModel:
     """Fit the model to `time_collective` results (dicts with op, nbytes, world_size, seconds)."""
     timings = [t for t in timings if t["world_size"] > 1]
+    if any(t.get("transport", "torch") != "torch" for t in timings):
+        # its latency is one round, not ring_steps: interconnect.fit_op_links counts it so
+        raise ValueError("timings of the direct exchange do not fit a ring's alpha-beta model; "
+                         "fit them with zero_lab.interconnect.fit_op_links")
     if not timings:
         raise ValueError("no timings with world_size > 1 (one rank sends nothing)")
 

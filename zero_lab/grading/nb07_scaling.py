@@ -176,6 +176,15 @@ def check_projected_bytes(projected: dict, measured: dict, rel: float = 1e-3) ->
     return worst
 
 
+def check_projected_collectives(projected: dict, measured: dict) -> None:
+    """Section 2: the projection prices, per step and by kind, the collectives the bench's
+    ledger counted on the real stages ({(N, stage): {op: count}} both): as many all-gathers,
+    reduce-scatters and all-reduces, none missing, none extra."""
+    for key, calls in projected.items():
+        assert dict(calls) == dict(measured[key]), (
+            f"N = {key[0]}, stage {key[1]}: projected {dict(calls)}, sent {dict(measured[key])}")
+
+
 def check_decision_table(table: dict, gpu_bytes: float) -> None:
     """Section 3: every recommendation that fits leaves the reserve (RESERVE_FRACTION of the
     GPU) free, on top of the peak floor counted in per_rank_bytes; one that does not fit is
