@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from zero_lab.checkpoint import CheckpointError, publication
+from zero_lab.checkpoint import consolidate as checkpoint_consolidate
 from zero_lab.checkpoint.groups import match_groups
 from zero_lab.checkpoint.manifest import read_manifest, seal, verify_files
 from zero_lab.checkpoint.saving import check_step
@@ -162,19 +163,9 @@ def test_a_save_publishes_a_link_to_a_step_directory_and_leaves_nothing_beside_i
             assert found["beside"] == [found["target"]]  # the previous one removed
 
 
-KILL_POINTS = [*publication.STEPS, None]  # None: publish runs to the end
-
-
-@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-@pytest.mark.parametrize("legacy", [False, True], ids=["link", "real_directory"])
-@pytest.mark.parametrize("kill_after", KILL_POINTS)
-def test_a_kill_at_every_step_of_publication_leaves_a_complete_checkpoint(
-        two, root, tmp_path, kill_after, legacy):
-    """Old: `groups` (step 3) published under the name, as a link (or as a real directory, as
-    an older zero_lab or `cp -r` leaves it); new: `w_fp32` (step 2) complete in its partial
-    directory. A process publishing it is SIGKILLed after each step: the name reaches a
-    complete checkpoint, the old one until the link is swapped, the new one from then on;
-    the next save's clean-up leaves only the name and its step directory."""
+def _publish_killed(root: Path, tmp_path: Path, kill_after: str | None, legacy: bool) -> Path:
+    """`groups` (step 3) published as `tmp_path/ckpt`, `w_fp32` (step 2) complete in its
+    partial directory, published by a child process SIGKILLed after step `kill_after`."""
     name = tmp_path / "ckpt"
     old, new = (publication.current_target(root / n) for n in ("groups", "w_fp32"))
     if legacy:
@@ -197,7 +188,23 @@ def test_a_kill_at_every_step_of_publication_leaves_a_complete_checkpoint(
         assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0
     else:
         assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    return name
 
+
+KILL_POINTS = [*publication.STEPS, None]  # None: publish runs to the end
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+@pytest.mark.parametrize("legacy", [False, True], ids=["link", "real_directory"])
+@pytest.mark.parametrize("kill_after", KILL_POINTS)
+def test_a_kill_at_every_step_of_publication_leaves_a_complete_checkpoint(
+        two, root, tmp_path, kill_after, legacy):
+    """Old: `groups` (step 3) published under the name, as a link (or as a real directory, as
+    an older zero_lab or `cp -r` leaves it); new: `w_fp32` (step 2) complete in its partial
+    directory. A process publishing it is SIGKILLed after each step: the name reaches a
+    complete checkpoint, the old one until the link is swapped, the new one from then on;
+    the next save's clean-up leaves only the name and its step directory."""
+    name = _publish_killed(root, tmp_path, kill_after, legacy)
     manifest = read_manifest(name)
     verify_files(name, manifest)
     swapped = kill_after is None or KILL_POINTS.index(kill_after) >= 2
@@ -338,3 +345,70 @@ def test_a_weights_only_load_at_every_stage(two, one):
         for key, found in r.items():
             assert found == {"error": "no error", "equal": True, "optimizer_untouched": True}, key
     assert one["weights_only"] == "no error"
+
+
+# ------------------------------------------------------------------ stricter than DCP
+# These two state torch 2.13's DCP behaviour beside zero_lab's (the README's comparison): if
+# a torch release verifies data or publishes atomically, they fail and the README must change.
+def test_a_flipped_byte_dcp_loads_zero_lab_refuses(two, root, tmp_path):
+    """torch.distributed.checkpoint (one process) loads a shard with a flipped byte, wrong
+    and silent; zero_lab refuses the same damage by the shard's SHA-256."""
+    import warnings
+
+    import numpy
+    import torch
+    import torch.distributed.checkpoint as dcp
+
+    saved = torch.arange(8.0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DCP warns that no process group is initialised
+        dcp.save({"w": saved}, checkpoint_id=tmp_path / "dcp")
+        data = next((tmp_path / "dcp").glob("*.distcp"))
+        raw = bytearray(data.read_bytes())
+        raw[raw.find(numpy.arange(8, dtype=numpy.float32).tobytes()) + 7] ^= 0xFF
+        data.write_bytes(bytes(raw))
+        loaded = {"w": torch.zeros(8)}
+        dcp.load(loaded, checkpoint_id=tmp_path / "dcp")
+    assert not torch.equal(loaded["w"], saved)  # DCP: no error, a wrong value
+    ours = tmp_path / "ours"
+    shutil.copytree(root / "groups", ours)
+    shard = ours / "rank0.safetensors"
+    raw = bytearray(shard.read_bytes())
+    raw[-3] ^= 0xFF
+    shard.write_bytes(bytes(raw))
+    with pytest.raises(CheckpointError, match="rank0.safetensors: corrupted"):
+        checkpoint_consolidate(ours)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_an_interrupted_save_dcp_loads_unfinished_zero_lab_keeps_the_previous(
+        two, root, tmp_path):
+    """A save into an existing checkpoint killed before it finished: DCP (one process,
+    killed before its metadata is written) then loads the unfinished save's values; under
+    zero_lab's name the previous checkpoint stays, whole, until the new one is published."""
+    import warnings
+
+    import torch
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save({"w": torch.arange(8.0)}, checkpoint_id=tmp_path / "dcp")
+        pid = os.fork()
+        if pid == 0:
+            try:
+                FileSystemWriter.finish = lambda *a, **k: os.kill(os.getpid(), signal.SIGKILL)
+                dcp.save({"w": torch.full((8,), 7.0)}, checkpoint_id=tmp_path / "dcp")
+            finally:
+                os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status)
+        loaded = {"w": torch.zeros(8)}
+        dcp.load(loaded, checkpoint_id=tmp_path / "dcp")
+    assert torch.equal(loaded["w"], torch.full((8,), 7.0))  # the save that never finished
+    for kill_after in publication.STEPS[:2]:  # zero_lab, killed before the link is swapped
+        shutil.rmtree(tmp_path / "z", ignore_errors=True)
+        (tmp_path / "z").mkdir()
+        name = _publish_killed(root, tmp_path / "z", kill_after, legacy=False)
+        assert read_manifest(name)["step"] == 3  # the previous one
