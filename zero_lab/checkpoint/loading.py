@@ -22,7 +22,6 @@ take the settings of the saved groups that held their parameters (groups.py).
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import torch
@@ -30,7 +29,7 @@ import torch.distributed as dist
 
 from zero_lab.checkpoint import extras as extras_
 from zero_lab.checkpoint import groups as groups_
-from zero_lab.checkpoint import layout
+from zero_lab.checkpoint import layout, publication
 from zero_lab.checkpoint.agreement import failure, gather, refuse_together
 from zero_lab.checkpoint.manifest import (
     MANIFEST,
@@ -59,12 +58,6 @@ def _param_homes(opt) -> list[tuple[torch.Tensor, int]]:
     return [(group.flat, 0) for group in opt.sync.groups]
 
 
-def resolve(directory: Path) -> Path:
-    """The step directory a published name reaches (read once: every later read of this load
-    comes from it, even if a save replaces the name meanwhile)."""
-    return directory.parent / os.readlink(directory) if directory.is_symlink() else directory
-
-
 def load(model, optimizer, directory: Path | str, extras: dict | None = None) -> dict:
     """Load `directory` into `model` (sharded by `shard()`, any stage) and its optimizer, and
     the states of `extras` ({name: Stateful}, as given to save); call it on every rank.
@@ -78,7 +71,7 @@ def load(model, optimizer, directory: Path | str, extras: dict | None = None) ->
     problem, manifest, identity, directory = None, {}, None, Path(directory)
     try:
         stateful = extras_.check_extras(extras)
-        directory = resolve(directory)
+        directory = publication.resolve(directory)
         manifest, identity = read_manifest_bytes(directory, check_checksum=rank == 0)
     except Exception as exc:  # noqa: BLE001 - told to every rank, raised on every rank
         problem = failure(exc)

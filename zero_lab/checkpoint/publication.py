@@ -77,6 +77,13 @@ def current_target(directory: Path) -> Path | None:
     return target if _ours(directory).fullmatch(target.name) else None
 
 
+def resolve(directory: Path | str) -> Path:
+    """The step directory a published name reaches, read once: a reader that goes on from it
+    reads one checkpoint to the end, even if a save replaces the name meanwhile."""
+    directory = Path(directory)
+    return directory.parent / os.readlink(directory) if directory.is_symlink() else directory
+
+
 def leftovers(directory: Path) -> list[Path]:
     """What killed or failed saves left beside `directory`: every hidden entry of ours but
     the step directory the name reaches."""
