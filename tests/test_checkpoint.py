@@ -176,6 +176,9 @@ def _break(source, broken_root, other):
     m = copy("other_model") / "manifest.json"
     manifest = json.loads(m.read_text())
     manifest["parameters"]["a.weight"]["shape"] = [5, 8]
+    # resealed, so what is tested is the shape check behind the manifest's checksum
+    m.write_text(json.dumps(checkpoint.manifest.seal(manifest)))
+    m = copy("hand_edited") / "manifest.json"  # the same edit, not resealed
     m.write_text(json.dumps(manifest))
     (broken_root / "empty").mkdir()
     (broken_root / "not_a_checkpoint").mkdir()
@@ -190,6 +193,7 @@ EXPECTED = {
     "corrupted": "rank1.safetensors: corrupted",
     "swapped": "rank1.safetensors: corrupted",
     "other_model": "a checkpoint of a different model: parameter 'a.weight' has shape (5, 8)",
+    "hand_edited": "manifest.json: edited since it was written",
     "empty": "not a zero_lab checkpoint (no manifest.json",
     "not_a_checkpoint": "not a zero_lab checkpoint (no manifest.json",
     "bad_manifest": "manifest.json: unreadable manifest",
