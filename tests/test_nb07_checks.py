@@ -213,3 +213,22 @@ def test_consolidated_check():
     changed = {**weights, "0.bias": torch.tensor([0.1, 0.0])}
     with pytest.raises(AssertionError, match="0.bias"):
         checks.check_consolidated(changed, flat)
+
+
+def test_resume_with_extras_check():
+    run = {"w": [1.0, 2.0], "b": [0.5]}
+    same = checks.check_resume_with_extras(dict(run), {"w": [1.0, 2.5], "b": [0.5]}, run)
+    assert same == {"with": True, "without": False}
+    with pytest.raises(AssertionError, match="resumed with its extras"):  # one value off
+        checks.check_resume_with_extras({"w": [1.0, 2.0000001], "b": [0.5]}, {"w": [0.0],
+                                        "b": [0.0]}, run)
+    with pytest.raises(AssertionError, match="without its extras"):  # extras change nothing
+        checks.check_resume_with_extras(dict(run), dict(run), run)
+
+
+def test_killed_resume_check():
+    checks.check_killed_resume(3, 3)
+    with pytest.raises(AssertionError, match="older than"):  # the kill lost a complete save
+        checks.check_killed_resume(1, 1)
+    with pytest.raises(AssertionError):  # resumed from another step than the one published
+        checks.check_killed_resume(3, 0)

@@ -220,3 +220,26 @@ def check_consolidated(weights: dict, at_save: dict) -> None:
     assert set(weights) == set(at_save), set(weights) ^ set(at_save)
     for name, values in at_save.items():
         assert torch.equal(weights[name].flatten(), torch.tensor(values)), name
+
+
+def check_resume_with_extras(with_extras: dict, without_extras: dict,
+                             uninterrupted: dict) -> dict:
+    """Section 4: a run resumed with its extras (scheduler, random state, data position)
+    ends equal, value for value, to the run that was never interrupted; resumed without
+    them it must differ, or the demonstration shows nothing the extras do."""
+    same = {"with": with_extras == uninterrupted, "without": without_extras == uninterrupted}
+    assert set(with_extras) == set(uninterrupted), set(with_extras) ^ set(uninterrupted)
+    assert same["with"], "resumed with its extras, the run differs from the uninterrupted one"
+    assert not same["without"], "resumed without its extras, the run should differ"
+    return same
+
+
+def check_killed_resume(published_step: int, resumed_from: int, saves_before_kill: int = 2
+                        ) -> None:
+    """Section 4: after a job saving every step was killed (once `saves_before_kill` saves
+    were complete), the name holds a complete checkpoint of one of the later steps and the
+    new job resumed from exactly that step."""
+    assert published_step >= saves_before_kill, (
+        f"the name holds step {published_step}, older than the {saves_before_kill} saves "
+        "completed before the kill")
+    assert resumed_from == published_step, (resumed_from, published_step)
