@@ -89,3 +89,23 @@ def assert_global_clip_norms(reports: tuple[dict, ...], clip_of) -> int:
 
 def _rtol(case: dict) -> float:
     return 1e-5 if case["precision"] == "fp32" else 3e-2  # bf16 keeps 8 significant bits
+
+
+# A script for a fresh process (its peak memory is its own): consolidate a checkpoint one
+# tensor at a time; print how far the peak rose, the largest tensor and the total.
+MEASURE_CONSOLIDATION = """
+import json, resource, sys
+from zero_lab import checkpoint
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+directory = sys.argv[1]
+checkpoint.read_manifest(directory)
+before = peak()
+largest = total = 0
+for name, tensor in checkpoint.iter_consolidated(directory, optimizer=True):
+    largest, total = max(largest, tensor.nbytes), total + tensor.nbytes
+    del tensor
+print(json.dumps({"rise": peak() - before, "largest": largest, "total": total}))
+"""

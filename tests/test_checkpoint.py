@@ -13,6 +13,7 @@ from functools import cache
 
 import pytest
 import torch
+from common import MEASURE_CONSOLIDATION
 
 from zero_lab import checkpoint
 from zero_lab.checkpoint import CheckpointError
@@ -237,22 +238,6 @@ def test_a_model_that_was_not_sharded_is_refused():
         checkpoint.save(model, torch.optim.Adam(model.parameters()), "unused")
 
 
-MEASURE_CONSOLIDATION = """
-import json, resource, sys
-from zero_lab import checkpoint
-
-def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-directory = sys.argv[1]
-checkpoint.read_manifest(directory)
-before = peak()
-largest = total = 0
-for name, tensor in checkpoint.iter_consolidated(directory, optimizer=True):
-    largest, total = max(largest, tensor.nbytes), total + tensor.nbytes
-    del tensor
-print(json.dumps({"rise": peak() - before, "largest": largest, "total": total}))
-"""
 
 
 def test_consolidation_holds_about_one_tensor_at_a_time(root, saves):

@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from common import MEASURE_CONSOLIDATION
 
 from zero_lab.checkpoint import CheckpointError, publication
 from zero_lab.checkpoint import consolidate as checkpoint_consolidate
@@ -303,22 +304,6 @@ def test_each_rank_hashes_only_the_files_it_reads(two):
         assert r["hashed"] == [f"rank{rank}.safetensors"]
 
 
-MEASURE_CONSOLIDATION = """
-import json, resource, sys
-from zero_lab import checkpoint
-
-def peak():
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
-
-directory = sys.argv[1]
-checkpoint.read_manifest(directory)
-before = peak()
-largest = total = 0
-for name, tensor in checkpoint.iter_consolidated(directory, optimizer=True):
-    largest, total = max(largest, tensor.nbytes), total + tensor.nbytes
-    del tensor
-print(json.dumps({"rise": peak() - before, "largest": largest, "total": total}))
-"""
 
 
 def test_consolidation_peaks_at_most_one_and_a_half_largest_tensors(two, root):
