@@ -227,8 +227,10 @@ def test_resume_with_extras_check():
 
 
 def test_killed_resume_check():
-    checks.check_killed_resume(3, 3)
-    with pytest.raises(AssertionError, match="older than"):  # the kill lost a complete save
+    checks.check_killed_resume(2, 2)
+    with pytest.raises(AssertionError, match="not step 2"):  # the kill lost a published save
         checks.check_killed_resume(1, 1)
+    with pytest.raises(AssertionError, match="not step 2"):  # published before it was complete
+        checks.check_killed_resume(3, 3)
     with pytest.raises(AssertionError):  # resumed from another step than the one published
-        checks.check_killed_resume(3, 0)
+        checks.check_killed_resume(2, 0)

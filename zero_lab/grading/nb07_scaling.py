@@ -234,12 +234,13 @@ def check_resume_with_extras(with_extras: dict, without_extras: dict,
     return same
 
 
-def check_killed_resume(published_step: int, resumed_from: int, saves_before_kill: int = 2
+def check_killed_resume(published_step: int, resumed_from: int, published_before_kill: int = 2
                         ) -> None:
-    """Section 4: after a job saving every step was killed (once `saves_before_kill` saves
-    were complete), the name holds a complete checkpoint of one of the later steps and the
-    new job resumed from exactly that step."""
-    assert published_step >= saves_before_kill, (
-        f"the name holds step {published_step}, older than the {saves_before_kill} saves "
-        "completed before the kill")
+    """Section 4: a job saving every step was killed while publishing its next save (the new
+    step directory complete, its link written, the name not yet replaced). The name must
+    still hold the last checkpoint published before the kill, complete, and the new job
+    must resume from exactly that step."""
+    assert published_step == published_before_kill, (
+        f"the name holds step {published_step}, not step {published_before_kill}, the last "
+        "one published before the kill")
     assert resumed_from == published_step, (resumed_from, published_step)

@@ -12,8 +12,8 @@ anything with `state_dict` / `load_state_dict`, per rank where it differs per ra
 
     save     train STEPS steps (the uninterrupted run) and, from the same start, SAVE_AT steps
              then save with the extras; report both runs' final weights
-    forever  save after every step; once two saves are complete, rank 0 SIGKILLs itself a
-             random few milliseconds later, wherever that falls (usually inside a save)
+    forever  save after every step; the third save is killed (SIGKILL) while it publishes:
+             its step directory complete, its link written, the name not yet replaced
     resume   from --dir, differently seeded: load with the extras and train to STEPS, then
              the same without the extras; from --killed, load and train two more steps
 """
@@ -24,13 +24,13 @@ import argparse
 import os
 import random
 import signal
-import threading
 from pathlib import Path
 
 import torch
 from torch import nn
 
 from zero_lab import checkpoint
+from zero_lab.checkpoint import publication
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.workloads import mlp_batch, rank_slice
@@ -93,11 +93,22 @@ def weights(model) -> dict:
     return {k: v.flatten().tolist() for k, v in full_state_dict(model).items()}
 
 
-def kill_soon(saves_done: int) -> None:
-    """Rank 0, once two saves are complete: SIGKILL in 0-30 ms, wherever the job then is."""
-    if saves_done == 2 and int(os.environ.get("RANK", "0")) == 0:
-        delay = random.Random().uniform(0, 0.03)
-        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
+def kill_in_next_publication(saves_done: int) -> None:
+    """Once two saves are complete, make the next one die while it publishes: right after
+    the new step directory is complete and a link to it written, before that link replaces
+    the name (`publication.STEPS[1]`; tests/test_checkpoint_real_world.py kills at each step).
+    The process that publishes is killed by SIGKILL: no `finally`, no clean-up runs."""
+    if saves_done != 2:
+        return
+    publish = publication.publish
+
+    def publish_then_die(*args, **kwargs):
+        def on_step(name: str) -> None:
+            if name == publication.STEPS[1]:
+                os.kill(os.getpid(), signal.SIGKILL)
+        return publish(*args, **kwargs, on_step=on_step)
+
+    publication.publish = publish_then_die
 
 
 def main() -> None:
@@ -119,7 +130,7 @@ def main() -> None:
     elif args.case == "forever":
         model, opt, extras = build(0, rank)
         train(model, opt, extras, 0, 10**6, rank, world, save_to=args.dir,
-              after_saves=kill_soon)
+              after_saves=kill_in_next_publication)
     else:
         for carried in (True, False):
             model, opt, extras = build(1, rank)
