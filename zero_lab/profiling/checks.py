@@ -84,48 +84,45 @@ def check_busy_exceeds_computing(b: dict[str, float], system: str = "") -> None:
               f"busy {busy:.1%}, computing {computing:.1%}")
 
 
-# The A/B check's band, as shares of the summed steps without communication. On gloo the
-# trace's exposed time is an upper bound (analysis.py), so it may exceed what removing the
-# communication saves by more than it may fall short. Measured in 8 runs on 2 cores beside
-# other work (load average 12-17): the right analysis gave -0.02 to +0.15; one that counts
-# the hidden communication as exposed +0.27 to +0.40, one that drops the exposed part -0.26
-# to -0.45. But the band is not wide enough to hold by construction: in a soak of notebook 06
-# (5 runs beside two busy processes) one run fell below it (exposed 142.6 ms against 182.2 ms
-# saved). So notebook 06 prints where the measurement falls against the band and does not
-# assert it; tests/test_nb06_checks.py holds the check to its mutants on recorded numbers.
-AB_BELOW, AB_ABOVE = 0.10, 0.25
+# The A/B check's band for exposed / removed, summed over stages 0-3. On gloo the trace's
+# exposed time is an upper bound (analysis.py: gloo's work in flight while the main thread
+# runs Python counts as exposed), so the ratio sits above 1. Measured with notebook 06's
+# model and recording (medians of 7 steps in turn per rank), 9 runs on 2 cores at load
+# averages 3 to 15: the right analysis 1.15 to 1.47; one that counts the hidden
+# communication as exposed 1.98 to 2.90; one that drops the exposed part 0. The band's
+# edges lie between them, with room for a busier machine on the right analysis's side.
+# (The first version compared the difference of the two sides' fastest steps with the
+# steps' length: a difference of two minima is one lucky step on either side, and it fell
+# outside its band in one soak run in five.)
+AB_LOW, AB_HIGH = 0.7, 1.8
 
 
-def exposed_removal_gap(exposed: dict[str, float], removed: dict[str, float],
-                        base: dict[str, float]) -> float:
-    """(summed exposed communication - summed time removing it saved) / summed steps without
-    communication, over the systems of `exposed` (see check_exposed_matches_removal)."""
-    total, saved = sum(exposed.values()), sum(removed[s] for s in exposed)
-    return (total - saved) / sum(base[s] for s in exposed)
+def exposed_removed_ratio(exposed: dict[str, float], removed: dict[str, float]) -> float:
+    """Summed exposed communication / summed time removing it saved, over the systems of
+    `exposed` (see check_exposed_matches_removal)."""
+    return sum(exposed.values()) / sum(removed[s] for s in exposed)
 
 
 def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, float],
-                                  base: dict[str, float], below: float = AB_BELOW,
-                                  above: float = AB_ABOVE) -> float:
+                                  low: float = AB_LOW, high: float = AB_HIGH) -> float:
     """What the analysis calls exposed communication is what the step loses when the
     communication is removed. Per system s (microseconds): `exposed[s]` from the trace,
-    `removed[s]` = step(s) - step(s with transport="none"), `base[s]` = the step with
-    communication removed. Summed over the systems (one system's steps on two busy cores
-    are too noisy to hold alone), exposed may exceed removed by `above` x the summed base
-    (exposed is an upper bound on gloo) and fall short by `below` x it. Returns their
-    difference over the summed base.
+    `removed[s]` = step(s) - step(s with transport="none"), each a median over steps taken in
+    turn. Summed over the systems (one system's difference on two busy cores is too noisy to
+    hold alone), exposed / removed must lie in [low, high]: above 1 is allowed because
+    exposed is an upper bound on gloo. Returns the ratio.
 
     It fails an analysis that counts communication hidden under compute as exposed (too
     much), or that loses exposed communication (too little). It cannot see how the rest of
     the step is divided between compute, optimizer and idle, nor any one system's number.
     """
-    gap = exposed_removal_gap(exposed, removed, base)
-    if not -below <= gap <= above:
-        total, saved = sum(exposed.values()), sum(removed[s] for s in exposed)
+    total, saved = sum(exposed.values()), sum(removed[s] for s in exposed)
+    ratio = total / saved if saved > 0 else float("inf")
+    if not low <= ratio <= high:
         _fail("exposed communication = what removing the communication saves, summed over "
-              f"{', '.join(exposed)} (from {-below:+.0%} to {above:+.0%} of the steps "
-              "without it)", f"{saved / 1e3:.1f} ms", f"{total / 1e3:.1f} ms ({gap:+.0%})")
-    return gap
+              f"{', '.join(exposed)} (exposed / saved from {low} to {high})",
+              f"{saved / 1e3:.1f} ms saved", f"{total / 1e3:.1f} ms exposed ({ratio:.2f})")
+    return ratio
 
 
 # ------------------------------------------------------------------ collectives
