@@ -182,6 +182,18 @@ def test_exposed_matches_removal_mutant_losing_half_the_exposed():
            match=r"\(0\.57\)")
 
 
+def test_exposed_matches_removal_judges_only_the_loads_its_band_was_measured_for():
+    """One of the two runs at 8 per core that left the band (ms, as MEASURED): judged at the
+    soak's load it fails; at the load it was recorded under, it is not judged."""
+    busy = ({"stage0": 71.1, "stage1": 93.7, "stage2": 125.7, "stage3": 198.7},
+            {"stage0": 84.2, "stage1": 58.6, "stage2": 4.6, "stage3": 100.5})
+    exposed, removed = ({s: v * 1e3 for s, v in d.items()} for d in busy)
+    assert checks.check_exposed_matches_removal(exposed, removed, load_per_core=8.0) is None
+    _fails(checks.check_exposed_matches_removal, exposed, removed, load_per_core=2.0,
+           match=r"\(1\.97\)")
+    assert checks.check_exposed_matches_removal(*_ab(lambda e, h: e), load_per_core=2.9) > 1
+
+
 def test_exposed_matches_removal_mutant_from_a_trace():
     """The mutant analysis run on a trace: a stage whose communication is half hidden,
     measured as costing only its exposed half."""

@@ -95,6 +95,13 @@ def check_busy_exceeds_computing(b: dict[str, float], system: str = "") -> None:
 # steps' length: a difference of two minima is one lucky step on either side, and it fell
 # outside its band in one soak run in five.)
 AB_LOW, AB_HIGH = 0.7, 1.8
+# ... and for how busy a machine. With load averages of 8 per core (5 other programs' tests
+# on 2 cores beside the recording), the right analysis reached 1.68 and 1.97 in 2 runs of
+# 12: there a core runs four programs in turn, a collective's thread waits its turn after
+# every message, and that wait is counted exposed, while the twin sends nothing and never
+# waits. Two busy processes beside a 2-rank run make about 2 per core (the soak's load).
+# Above AB_LOAD_PER_CORE the check says the machine was too busy to judge, and does not.
+AB_LOAD_PER_CORE = 3.0
 
 
 def exposed_removed_ratio(exposed: dict[str, float], removed: dict[str, float]) -> float:
@@ -104,13 +111,16 @@ def exposed_removed_ratio(exposed: dict[str, float], removed: dict[str, float]) 
 
 
 def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, float],
-                                  low: float = AB_LOW, high: float = AB_HIGH) -> float:
+                                  load_per_core: float = 0.0, low: float = AB_LOW,
+                                  high: float = AB_HIGH) -> float | None:
     """What the analysis calls exposed communication is what the step loses when the
     communication is removed. Per system s (microseconds): `exposed[s]` from the trace,
     `removed[s]` = step(s) - step(s with transport="none"), each a median over steps taken in
     turn. Summed over the systems (one system's difference on two busy cores is too noisy to
     hold alone), exposed / removed must lie in [low, high]: above 1 is allowed because
-    exposed is an upper bound on gloo. Returns the ratio.
+    exposed is an upper bound on gloo. Returns the ratio; None, judging nothing, when the
+    machine was busier than the band was measured for (`load_per_core`, the load average
+    per core while the steps were recorded, above AB_LOAD_PER_CORE).
 
     It fails an analysis that counts communication hidden under compute as exposed (too
     much), or that loses exposed communication (too little). It cannot see how the rest of
@@ -118,6 +128,8 @@ def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, 
     """
     total, saved = sum(exposed.values()), sum(removed[s] for s in exposed)
     ratio = total / saved if saved > 0 else float("inf")
+    if load_per_core > AB_LOAD_PER_CORE:
+        return None
     if not low <= ratio <= high:
         _fail("exposed communication = what removing the communication saves, summed over "
               f"{', '.join(exposed)} (exposed / saved from {low} to {high})",

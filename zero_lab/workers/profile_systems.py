@@ -32,6 +32,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import resource
 import statistics
 import time
@@ -188,6 +189,9 @@ def main() -> None:
         if run.name in twins:
             results[run.name]["no_comm_step_times"] = _slowest_rank(twins[run.name].times)
             run.record_in_turn(twins[run.name], args.out, args.steps)
+            # How busy the machine was while it recorded (the 1-minute load average per
+            # core): the A/B check's band was measured for a range of loads (checks.py).
+            results[run.name]["load_per_core"] = os.getloadavg()[0] / (os.cpu_count() or 1)
         if info.rank == 0:
             print(f"{run.name:18s} {1e3 * statistics.median(slowest):7.2f} ms per step (median of "
                   f"{args.timed}, unprofiled); traces in {args.out / run.name}")
