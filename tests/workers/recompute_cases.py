@@ -127,9 +127,14 @@ def fp32_weights() -> dict[str, torch.Tensor]:
 
 
 def run(rank: int, world: int) -> dict:
+    """Everything above at N = 2 and 4 (the issue's world sizes); N = 3 skips it (CI time)."""
+    if world not in (2, 4):
+        return {"skipped": True}
     start = time.perf_counter()
     recompute = [recompute_case(s, r, rank, world) for s in (0, 1, 2, 3) for r in (False, True)]
-    precision = [precision_case(s, name, rank, world) for s in (0, 1, 2, 3) for name in RECIPES]
+    precision = [precision_case(s, name, rank, world) for s in (0, 1, 2, 3)
+                 for name in ("bf16+keep_ln", "bf16+reduce_fp32")]
+    precision.append(precision_case(3, "bf16+keep_ln+reduce_fp32", rank, world))
     # Each recipe's one-process reference, against fp32 training: the recipe's own error.
     fp32 = fp32_weights()
     gaps = {}
