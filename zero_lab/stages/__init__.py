@@ -48,7 +48,15 @@ from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.loading import route_loading
 from zero_lab.stages.lockstep import Lockstep
-from zero_lab.stages.mixed_precision import COMPUTE_DTYPES, to_compute_dtype
+from zero_lab.stages.mixed_precision import (
+    COMPUTE_DTYPES,
+    ReducedInFp32,
+    check_policy,
+    kept_parameter_ids,
+    to_compute_dtype,
+)
+from zero_lab.stages.recompute import apply_recompute, check_checkpoint_activations
+from zero_lab.stages.recompute import describe as describe_recompute
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
     make_plan,
@@ -91,6 +99,9 @@ def shard(
     check_order: bool = False,
     broadcast_buffers: bool = True,
     check_lockstep: bool = True,
+    checkpoint_activations: bool | Sequence[type] = False,
+    keep_fp32: Sequence[type] = (),
+    reduce_dtype: torch.dtype | None = None,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
@@ -122,7 +133,13 @@ def shard(
     some changed (buffers.py). `check_lockstep` (on by default): once a step the ranks check,
     with one all-gather of 24 bytes a rank, that they have taken the same number of
     optimizer steps and, at stage 3, gathered the units of the forward in the same order;
-    if not, every rank raises, naming the ranks (lockstep.py). Needs an initialised default
+    if not, every rank raises, naming the ranks (lockstep.py). `checkpoint_activations`:
+    True recomputes every unit's forward in backward (the units stage 3 cuts, at every
+    stage), a tuple of classes every module of those classes (recompute.py: torch's
+    checkpoint_wrapper, non-reentrant; no extra collective at any stage). In mixed precision,
+    `keep_fp32`, e.g. (nn.LayerNorm,), keeps modules of those classes in fp32, and
+    `reduce_dtype=torch.float32` reduces gradients in fp32 (FSDP2's MixedPrecisionPolicy;
+    mixed_precision.py). Needs an initialised default
     process group; call it on every rank: the ranks first check they were all given the
     same model and settings (one small all-gather), and refuse together if not.
     """
@@ -132,6 +149,8 @@ def shard(
         raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
     if not isinstance(check_lockstep, bool):
         raise TypeError(f"check_lockstep must be True or False, got {check_lockstep!r}")
+    check_checkpoint_activations(checkpoint_activations)
+    check_policy(precision, keep_fp32, reduce_dtype)
     _check_model(model)
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
@@ -142,8 +161,12 @@ def shard(
                        find_unused_parameters=find_unused_parameters, check_order=check_order,
                        broadcast_buffers=broadcast_buffers, check_lockstep=check_lockstep,
                        unit_classes=[getattr(c, "__qualname__", repr(c))
-                                     for c in unit_classes or []], root_params=root_params)
+                                     for c in unit_classes or []], root_params=root_params,
+                       checkpoint_activations=describe_recompute(checkpoint_activations),
+                       keep_fp32=[c.__qualname__ for c in keep_fp32],
+                       reduce_dtype=str(reduce_dtype))
     compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
+    kept = kept_parameter_ids(model, keep_fp32)  # parameters the policy keeps in fp32
 
     # 1. Trainable parameters, each once (a tied weight is one Parameter), into flat groups;
     #    every rank starts from rank 0's values. Stages 0-2: buckets of about bucket_mb, the
@@ -151,20 +174,33 @@ def shard(
     #    per unit, of which this rank keeps only its slice (zero3.py).
     if stage == 3:
         units, masters = make_units(model, unit_classes, transport, compute_dtype,
-                                    replicate_root=root_params == "replicate")
+                                    replicate_root=root_params == "replicate",
+                                    keep_fp32=keep_fp32)
         groups = [unit.group for unit in units]
     else:
         element_size = compute_dtype.itemsize if compute_dtype else 4  # of the gradients
-        groups = make_flat_groups(trainable[::-1], bucket_mb * 2**20, element_size=element_size,
-                                  first_bucket_bytes=FIRST_BUCKET_MB * 2**20,
-                                  transport=transport)
+        # Parameters a precision policy keeps in fp32 get buckets of their own (one dtype
+        # per flat buffer, as torch's DDP buckets per dtype).
+        groups = [group for params, size in (
+                      ([(n, p) for n, p in trainable if id(p) not in kept], element_size),
+                      ([(n, p) for n, p in trainable if id(p) in kept], 4)) if params
+                  for group in make_flat_groups(params[::-1], bucket_mb * 2**20,
+                                                element_size=size, transport=transport,
+                                                first_bucket_bytes=FIRST_BUCKET_MB * 2**20)]
         masters = []
         if compute_dtype:
-            # fp32 masters of what this rank updates, taken before anything is rounded.
-            masters = [(group.shard(group.flat) if stage > 0 else group.flat).clone()
-                       for group in groups]
+            # fp32 masters of what this rank updates, taken before anything is rounded; a
+            # group kept in fp32 is its own master.
             for group in groups:
-                group.bind(group.flat.to(compute_dtype))
+                mine = group.shard(group.flat) if stage > 0 else group.flat
+                if id(group.params[0]) in kept:
+                    masters.append(mine)
+                else:
+                    masters.append(mine.clone())
+                    group.bind(group.flat.to(compute_dtype))
+    if reduce_dtype == torch.float32:  # gradients reduced in fp32 (mixed_precision.py)
+        for group in groups:
+            group.__class__ = ReducedInFp32
 
     # 2. What is not in a flat group (frozen parameters, buffers) stays whole on every rank,
     #    also from rank 0.
@@ -176,7 +212,8 @@ def shard(
             dist.broadcast(buf, src=0)
     if compute_dtype:
         to_compute_dtype(model, compute_dtype,
-                         skip={id(p) for group in groups for p in group.params})
+                         skip={id(p) for group in groups for p in group.params},
+                         keep_fp32=keep_fp32)
 
     # 3. The stage's gradient path (hooks, collectives), and the optimizer on what it updates.
     sync: GradientSync
@@ -209,6 +246,8 @@ def shard(
     # Stages 2 and 3 keep gradients where model.zero_grad() cannot see them (the owned
     # slices): route it to the optimizer, so a loop that calls model.zero_grad() stays right.
     model.zero_grad = opt.zero_grad
+    # Recompute (recompute.py) last: the modules' forwards are wrapped, their hooks untouched.
+    apply_recompute(model, checkpoint_activations, unit_classes)
     return model, opt
 
 

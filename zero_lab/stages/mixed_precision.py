@@ -16,6 +16,28 @@ need one, and neither does its one-process reference.
 `shard(..., precision="bf16" | "fp16")` ("mixed" means bf16) keeps masters and states only
 for the slice a rank owns. `mixed_precision_reference()` is the same recipe in one process,
 without any sharding: the reference that sharded mixed-precision training is checked against.
+
+A precision *policy* refines the recipe in two ways, as torch FSDP2's MixedPrecisionPolicy:
+
+- `keep_fp32=(nn.LayerNorm,)`: modules of these classes (and everything inside them) keep
+  their parameters in fp32 and compute in fp32, while the rest computes in 16 bits. A kept
+  module casts its floating inputs to fp32 on the way in and its outputs back to the compute
+  dtype on the way out (FSDP2: `fully_shard(norm, mp_policy=MixedPrecisionPolicy(
+  param_dtype=torch.float32, output_dtype=torch.bfloat16))`, whose default
+  cast_forward_inputs=True casts the inputs), so its neighbours see what they saw before. A
+  kept parameter is its own master: 4 (param) + 4 (grad) + 8 (Adam) = 16 bytes, as a 16-bit
+  one's 2 + 2 + 12; only its collectives carry 4 bytes an element instead of 2. The flat
+  buffers hold one dtype, so kept parameters get buffers (stages 0-2) or units (stage 3, as
+  FSDP2's separate fully_shard call on the norm) of their own. The policy is per module,
+  not per parameter: one op mixing a 16-bit weight with an fp32 bias of the same module
+  would fail.
+- `reduce_dtype=torch.float32`: gradients are reduced in fp32 (FSDP2's reduce_dtype):
+  the 16-bit gradient buffer is widened before the collective (4 bytes an element on the
+  wire, the ledger's count) and the average rounded once into the 16-bit gradient slice.
+  Summing N 16-bit gradients on the way rounds at every partial sum; in fp32 the sum is
+  rounded once. (FSDP2 keeps the fp32 average as the master's gradient; here the gradient
+  slice stays 16-bit, the course's 2 bytes per element, and is widened at the step.) At
+  N = 2 both round a + b once and halve it exactly: the same numbers, twice the bytes.
 """
 
 from __future__ import annotations
@@ -23,8 +45,10 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from zero_lab.partition import FlatParamGroup
 from zero_lab.stages.gradient_sync import clear_grads
 
 # precision (shard()'s argument) -> the dtype the model computes in
@@ -43,22 +67,134 @@ def cast_floats(obj, dtype: torch.dtype):
     return obj
 
 
+def check_policy(precision: str, keep_fp32, reduce_dtype) -> None:
+    """Refuse a policy that does not apply: both knobs refine 16-bit training only."""
+    if not (isinstance(keep_fp32, (tuple, list)) and all(
+            isinstance(c, type) and issubclass(c, nn.Module) for c in keep_fp32)):
+        raise TypeError(f"keep_fp32 must be a tuple of nn.Module classes (e.g. "
+                        f"(nn.LayerNorm,)), got {keep_fp32!r}")
+    if reduce_dtype is not None and not isinstance(reduce_dtype, torch.dtype):
+        raise TypeError(f"reduce_dtype must be None or a torch dtype, got {reduce_dtype!r}")
+    compute = COMPUTE_DTYPES.get(precision)
+    if compute is None and (keep_fp32 or reduce_dtype is not None):
+        raise ValueError("keep_fp32 and reduce_dtype refine mixed precision (precision='bf16' "
+                         f"or 'fp16'); with precision={precision!r} everything is fp32 already")
+    if reduce_dtype not in (None, torch.float32, compute):
+        raise ValueError(f"reduce_dtype must be None (the compute dtype, {compute}) or "
+                         f"torch.float32, got {reduce_dtype}")
+
+
+def kept_modules(model: nn.Module, keep_fp32) -> list[nn.Module]:
+    """The outermost modules of the classes in `keep_fp32` (the root included)."""
+    classes = tuple(keep_fp32)
+    if not classes:
+        return []
+    chosen = [m for m in model.modules() if isinstance(m, classes)]
+    inside = {id(d) for m in chosen for d in m.modules() if d is not m}
+    return [m for m in chosen if id(m) not in inside]
+
+
+def kept_parameter_ids(model: nn.Module, keep_fp32) -> set[int]:
+    """ids of the parameters `keep_fp32` keeps in fp32: every parameter of a kept module.
+
+    A parameter shared by a kept module and one that is not (a tied weight) is refused: it
+    would have to be fp32 and 16-bit at once."""
+    kept = {id(p) for m in kept_modules(model, keep_fp32) for p in m.parameters()}
+    if kept:
+        inside = {id(d) for m in kept_modules(model, keep_fp32) for d in m.modules()}
+        for name, module in model.named_modules():
+            if id(module) in inside:
+                continue
+            for pname, p in module.named_parameters(recurse=False):
+                if id(p) in kept:
+                    raise ValueError(
+                        f"{name + '.' if name else ''}{pname} is used by a module kept in fp32 "
+                        "(keep_fp32) and by one that computes in 16 bits: a parameter has one "
+                        "dtype. Keep both modules in fp32, or untie the weight")
+    return kept
+
+
 def to_compute_dtype(model: nn.Module, dtype: torch.dtype,
-                     skip: frozenset[int] | set[int] = frozenset()) -> None:
+                     skip: frozenset[int] | set[int] = frozenset(), keep_fp32=()) -> None:
     """Make `model` compute in `dtype`: floating parameters and buffers are cast to it (except
-    the parameters whose id is in `skip`), inputs too, and outputs back to fp32."""
+    the parameters whose id is in `skip`), inputs too, and outputs back to fp32. Modules of
+    the classes in `keep_fp32` stay fp32, parameters and buffers: they cast their inputs to
+    fp32 and their outputs back to `dtype`."""
+    kept = kept_modules(model, keep_fp32)
+    kept_ids = kept_parameter_ids(model, keep_fp32)
+    in_kept = {id(d) for m in kept for d in m.modules()}
     with torch.no_grad():
         for p in model.parameters():
-            if id(p) not in skip and p.is_floating_point():
+            if id(p) not in skip and id(p) not in kept_ids and p.is_floating_point():
                 p.data = p.data.to(dtype)
         for module in model.modules():
+            if id(module) in in_kept:
+                continue
             for name, buf in module.named_buffers(recurse=False):
                 if buf.is_floating_point():
                     setattr(module, name, buf.to(dtype))
-    model.register_forward_pre_hook(
-        lambda _m, args, kwargs: (cast_floats(args, dtype), cast_floats(kwargs, dtype)),
+    for module in kept:
+        if module is not model:
+            cast_around(module, torch.float32, dtype)
+    if model not in kept:
+        cast_around(model, dtype, torch.float32)
+
+
+def cast_around(module: nn.Module, inputs: torch.dtype, outputs: torch.dtype) -> None:
+    """`module` casts its floating inputs to `inputs` and its floating outputs to `outputs`."""
+    module.register_forward_pre_hook(
+        lambda _m, args, kwargs: (cast_floats(args, inputs), cast_floats(kwargs, inputs)),
         with_kwargs=True)
-    model.register_forward_hook(lambda _m, _args, out: cast_floats(out, torch.float32))
+    module.register_forward_hook(lambda _m, _args, out: cast_floats(out, outputs))
+
+
+class ReducedInFp32(FlatParamGroup):
+    """A flat group whose gradient reductions run in fp32 (FSDP2's reduce_dtype=float32).
+
+    The 16-bit full buffer is widened to fp32, reduced, and the fp32 result rounded once into
+    the 16-bit output when the collective completes. All-gathers (of parameters) are
+    untouched. shard() turns a 16-bit group into one with `group.__class__ = ReducedInFp32`.
+    """
+
+    def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
+                       op=dist.ReduceOp.AVG, async_op: bool = False):
+        if full_in.dtype == torch.float32:
+            return super().reduce_scatter(shard_out, full_in, op, async_op)
+        wide_in = full_in.float()
+        wide_out = torch.empty_like(shard_out, dtype=torch.float32)
+        work = super().reduce_scatter(wide_out, wide_in, op, async_op)
+        return _rounded_into(work, wide_out, shard_out, keep=wide_in)
+
+    def all_reduce(self, buffer: torch.Tensor, op=dist.ReduceOp.AVG, async_op: bool = False):
+        if buffer.dtype == torch.float32:
+            return super().all_reduce(buffer, op, async_op)
+        wide = buffer.float()
+        work = super().all_reduce(wide, op, async_op)
+        return _rounded_into(work, wide, buffer)
+
+
+class _RoundedInto:
+    """An fp32 collective in flight whose result is rounded into a 16-bit tensor on wait()."""
+
+    def __init__(self, work, wide: torch.Tensor, out: torch.Tensor, keep=None) -> None:
+        self.work, self.wide, self.out, self.keep = work, wide, out, keep
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def wait(self) -> bool:
+        if self.wide is not None:
+            self.work.wait()
+            self.out.copy_(self.wide)
+            self.wide = self.keep = None  # the fp32 buffers are freed here
+        return True
+
+
+def _rounded_into(work, wide: torch.Tensor, out: torch.Tensor, keep=None):
+    if work is None:  # a synchronous collective: done already
+        out.copy_(wide)
+        return None
+    return _RoundedInto(work, wide, out, keep)
 
 
 class MasterWeightOptimizer:
@@ -108,10 +244,12 @@ def mixed_precision_reference(
     model: nn.Module,
     optimizer: Callable = lambda params: torch.optim.Adam(params, lr=1e-3),
     dtype: torch.dtype = torch.bfloat16,
+    keep_fp32=(),
 ) -> tuple[nn.Module, MasterWeightOptimizer]:
     """Turn a float32 `model` (in place) into single-process training in `dtype` (bf16 or
-    fp16) with fp32 masters."""
+    fp16) with fp32 masters; modules of the classes in `keep_fp32` stay fp32 (their masters
+    hold the same values as they do)."""
     params = [p for p in model.parameters() if p.requires_grad]
     masters = [p.detach().clone() for p in params]  # fp32 values before any rounding
-    to_compute_dtype(model, dtype)
+    to_compute_dtype(model, dtype, keep_fp32=keep_fp32)
     return model, MasterWeightOptimizer(params, masters, optimizer)

@@ -20,40 +20,50 @@ from torch import nn
 
 from zero_lab.partition import FlatParamGroup, allocate_storage, free_storage
 from zero_lab.stages.at_rest import label, rest, wake
+from zero_lab.stages.mixed_precision import kept_parameter_ids
 
 # Modules that only hold other modules: their children are the units, not they.
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
 ROOT_NAME = "(root)"
 
 
-def unit_modules(model: nn.Module, unit_classes: Sequence[type] | None = None
-                 ) -> list[tuple[str, nn.Module]]:
+def unit_modules(model: nn.Module, unit_classes: Sequence[type] | None = None,
+                 also: Sequence[type] = ()) -> list[tuple[str, nn.Module]]:
     """(name, module) of every unit candidate below the root, in registration order.
 
     Default: each child that owns trainable parameters, looking into containers. With
     `unit_classes`: every module (at any depth, nested ones included) of those classes.
+    `also`: modules of these classes are units too, at any depth (a precision policy's
+    fp32 modules, mixed_precision.py: a unit's flat buffer holds one dtype).
     """
     if unit_classes is not None:
         classes = tuple(unit_classes)
         if not classes or not all(isinstance(c, type) and issubclass(c, nn.Module)
                                   for c in classes):
             raise TypeError(f"unit_classes must be nn.Module subclasses, got {unit_classes!r}")
-        return [(name, m) for name, m in model.named_modules()
-                if m is not model and isinstance(m, classes)]
-    found: list[tuple[str, nn.Module]] = []
+        found = [(name, m) for name, m in model.named_modules()
+                 if m is not model and isinstance(m, classes)]
+    else:
+        found = []
 
-    def visit(prefix: str, module: nn.Module) -> None:
-        for name, child in module.named_children():
-            if isinstance(child, CONTAINERS):
-                visit(f"{prefix}{name}.", child)
-            elif any(p.requires_grad for p in child.parameters()):
-                found.append((f"{prefix}{name}", child))
+        def visit(prefix: str, module: nn.Module) -> None:
+            for name, child in module.named_children():
+                if isinstance(child, CONTAINERS):
+                    visit(f"{prefix}{name}.", child)
+                elif any(p.requires_grad for p in child.parameters()):
+                    found.append((f"{prefix}{name}", child))
 
-    visit("", model)
+        visit("", model)
+    if also:
+        chosen = {id(m) for _, m in found} | {id(m) for m in model.modules()
+                                              if isinstance(m, tuple(also))}
+        found = [(name, m) for name, m in model.named_modules()
+                 if m is not model and id(m) in chosen]
     return found
 
 
-def plan_units(model: nn.Module, unit_classes: Sequence[type] | None = None
+def plan_units(model: nn.Module, unit_classes: Sequence[type] | None = None,
+               also: Sequence[type] = ()
                ) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
     """[(unit name, module, [(parameter name, parameter)])], the root unit last.
 
@@ -62,7 +72,7 @@ def plan_units(model: nn.Module, unit_classes: Sequence[type] | None = None
     encloses all of them, their common ancestor: it is gathered whenever any of them runs.
     Units left without trainable parameters are dropped.
     """
-    candidates = unit_modules(model, unit_classes) + [(ROOT_NAME, model)]
+    candidates = unit_modules(model, unit_classes, also) + [(ROOT_NAME, model)]
     index = {id(m): i for i, (_, m) in enumerate(candidates)}
 
     # For every module, the units enclosing it from outside, outermost (the root) first; for
@@ -205,19 +215,22 @@ class Unit:
 
 
 def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport: str,
-               compute_dtype: torch.dtype | None = None, replicate_root: bool = False
-               ) -> tuple[list[Unit], list[torch.Tensor]]:
+               compute_dtype: torch.dtype | None = None, replicate_root: bool = False,
+               keep_fp32: Sequence[type] = ()) -> tuple[list[Unit], list[torch.Tensor]]:
     """Cut `model` into units (units.py) and shard each: returns (units, fp32 slices).
 
     Every rank starts from rank 0's parameters (one broadcast per unit) and keeps only its
     slice, in memory of its own; with `replicate_root`, the root unit (the parameters no
     other unit claims) is kept whole instead. With `compute_dtype` (mixed precision) the
     slices, and so the all-gathers and reduce-scatters, are in that dtype, and the fp32
-    slices returned are the masters the optimizer steps; without, the list is empty.
+    slices returned are the masters the optimizer steps; without, the list is empty. Modules
+    of the classes in `keep_fp32` are units of their own that stay fp32 (their slice is its
+    own master), as FSDP2's fully_shard call with an fp32 policy on a norm.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     units, masters = [], []
-    for name, module, named in plan_units(model, unit_classes):
+    kept = kept_parameter_ids(model, keep_fp32)
+    for name, module, named in plan_units(model, unit_classes, also=keep_fp32):
         params = [p for _, p in named]
         names = [n for n, _ in named]
         group = FlatParamGroup(params, world, rank, names, transport=transport)
@@ -225,7 +238,13 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
         dist.broadcast(flat, src=0)  # every rank starts from rank 0's parameters
         whole = replicate_root and module is model
         local = flat if whole else group.shard(flat).clone()  # in memory of its own
-        if compute_dtype is not None:
+        stays_fp32 = {id(p) in kept for p in params}
+        if stays_fp32 == {True, False}:
+            raise ValueError(f"unit {name} holds parameters kept in fp32 (keep_fp32) and "
+                             "16-bit ones; a unit's flat buffer has one dtype")
+        if compute_dtype is not None and stays_fp32 == {True}:
+            masters.append(local)  # kept in fp32: the slice is its own master
+        elif compute_dtype is not None:
             masters.append(local)  # fp32, taken before anything is rounded
             local = local.to(compute_dtype)
             for p in params:  # the same layout, in the compute dtype
