@@ -175,17 +175,45 @@ def keep_gathered_habits(rank: int, world: int, ref_state: dict) -> dict:
     return out
 
 
+def error_message(fn) -> str:
+    try:
+        fn()
+    except Exception as exc:  # noqa: BLE001 - the message is what is tested
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+def refusals(rank: int) -> dict:
+    """shard()'s refusals of the two settings (before any collective), and ranks given
+    different settings refusing together (one all-gather of the descriptions)."""
+    def mlp():
+        return make_model()
+
+    return {
+        "mode_at_stage_1": error_message(lambda: shard(mlp(), 1, grad_accumulation="unsharded")),
+        "mode_unknown": error_message(lambda: shard(mlp(), 2, grad_accumulation="full")),
+        "reshard_at_stage_2": error_message(lambda: shard(mlp(), 2, reshard_after_forward=False)),
+        "reshard_int": error_message(lambda: shard(mlp(), 3, reshard_after_forward=2)),
+        "ranks_disagree": error_message(lambda: shard(
+            mlp(), 3, grad_accumulation="unsharded" if rank == 1 else "sharded")),
+        "ranks_disagree_reshard": error_message(lambda: shard(
+            mlp(), 3, reshard_after_forward=rank != 1)),
+    }
+
+
 def run(rank: int, world: int) -> dict:
+    start = time.perf_counter()
     ref_state, ref_losses = reference()
     cases = [run_config(*c, k, rank, world, ref_state) for c in CONFIGS for k in KS]
     return {
+        "refusals": refusals(rank) if world == 2 else {},
         "ref_losses": ref_losses, "cases": cases,
         "mismatch": {f"stage{s}-{m}": mismatched_micro_batches(s, m, rank, world)
                      for s, m in ((0, "sharded"), (1, "sharded"), (2, "unsharded"),
                                   (3, "unsharded"))},
         "unsynced_step": unsynced_step(rank),
         "keep_gathered": keep_gathered_habits(rank, world, ref_state),
-    }
+    } | {"seconds": time.perf_counter() - start}
 
 
 def main() -> None:

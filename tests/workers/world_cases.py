@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 
+import accumulation_cases
 import collectives_cases
 import stage_cases
 import zero3_cases
@@ -24,6 +25,7 @@ PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs 
     "collectives": (collectives_cases.run, 2),
     "stages": (stage_cases.run, 1),
     "zero3": (zero3_cases.run, 1),
+    "accumulation": (accumulation_cases.run, 2),
 }
 
 
