@@ -69,8 +69,20 @@ from functools import partial
 import torch
 from torch import nn
 
+from zero_lab.stages.lockstep import order_fingerprint
+
 GRAD_ACCUMULATION = ("sharded", "unsharded")  # what stages 2 and 3 keep under no_sync
 NO_SYNC_ATTR = "no_sync"  # the method shard() puts on the model
+# What the lockstep check says when only the fingerprint differs (lockstep.py).
+MICRO_BATCHES_DIFFER = (
+    "the ranks ran different numbers of backwards (micro-batches) since their last optimizer "
+    "step: every rank must accumulate the same number of micro-batches, the same ones under "
+    "model.no_sync()")
+FORWARDS_DIFFER = (
+    "the ranks ran the units of this forward in different orders, or " + MICRO_BATCHES_DIFFER
+    + ". At stage 3 each unit's all-gather meets the same-numbered all-gather on the other "
+    "ranks, so every rank must call the same units in the same order (no rank-dependent "
+    "control flow around units)")
 
 
 @contextmanager
@@ -101,6 +113,22 @@ def accumulate(model: nn.Module, micro_batches: Sequence,
             loss.backward()
         total += loss.item()
     return total
+
+
+def forward_fingerprint(gathers: list[int], backwards: int, syncs: bool) -> int:
+    """Stage 3's lockstep fingerprint of a forward: the units it gathered in order, the
+    backwards since the last step, and whether this micro-batch is under no_sync (so ranks
+    accumulating differently fail at the forward, before a backward that sends meets one
+    that does not)."""
+    return order_fingerprint([*gathers, -1, backwards, int(syncs)])
+
+
+def describe_forward(names: list[str], backwards: int, syncs: bool) -> str:
+    """The same in words, for the lockstep error (the accumulation part only when there is
+    some)."""
+    return (f"gathering {', '.join(names) or 'no unit'}"
+            + (f"; {backwards} backward(s) since its last step" if backwards else "")
+            + ("" if syncs else "; under no_sync"))
 
 
 def refuse_unsynced_step() -> None:

@@ -52,13 +52,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import FlatParamGroup
-from zero_lab.stages.accumulation import refuse_unsynced_step
+from zero_lab.stages.accumulation import MICRO_BATCHES_DIFFER, refuse_unsynced_step
 from zero_lab.stages.lockstep import Lockstep
-
-MICRO_BATCHES_DIFFER = (
-    "the ranks ran different numbers of backwards (micro-batches) since their last optimizer "
-    "step: every rank must accumulate the same number of micro-batches, the same ones under "
-    "model.no_sync()")
 
 
 def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], None]:
@@ -214,8 +209,9 @@ class GradientSync:
         if not self._checked_this_step:
             self._checked_this_step = True
             n = self.backwards_since_step
-            self.check_lockstep(phase, n, detail=lambda: f"{n} backward(s) since its last step",
-                                why=MICRO_BATCHES_DIFFER)
+            self.check_lockstep(phase, n, why=MICRO_BATCHES_DIFFER,  # (said when accumulating)
+                                detail=(lambda: f"{n} backward(s) since its last step") if n
+                                else None)
 
     def step_starts(self) -> None:
         if self.unsynced:

@@ -59,16 +59,10 @@ and backward; later steps start the all-gather of the *next* unit, asynchronousl
 as the current one starts computing, so communication overlaps computation. At most two
 units are gathered at once (the current and the next).
 
-reshard_after_forward (FSDP2's name). With True (the default, above) a unit is released
-after its forward and gathered again for its backward: 3Ψ per step. With False a unit stays
-gathered from its forward to its backward (no second all-gather: 2Ψ per step, the all-gather
-of forward and the reduce-scatter), so every unit's full parameters are resident from forward
-to backward: the parameter memory of stages 0-2 during the step, sharded at rest. Under
-`model.no_sync()` it also stays gathered from one micro-batch to the next (the parameters do
-not change before the step; FSDP2 calls that part set_reshard_after_backward(False)): one
-all-gather per unit per optimizer step. A forward without gradients (evaluation) still
-releases at once, and so does `opt.step()`, before it updates the slices (a full copy kept
-past the step would be stale). The two modes of gradient accumulation are stage 2's.
+`reshard_after_forward=False` (FSDP2's name) keeps a unit gathered from its forward to its
+backward (2Ψ per step, full parameters resident meanwhile) and, under `model.no_sync()`, to
+the next micro-batch (accumulation.py); a forward without gradients and `opt.step()` still
+release (a full copy kept past the step would be stale).
 
 Why rebinding `.data` alone would not free memory (the seed blog's `release`): autograd
 holds references to the tensors forward used; `param.data = shard` moves the parameter but
@@ -96,17 +90,9 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.profiling.marks import Span
-from zero_lab.stages.gradient_sync import MICRO_BATCHES_DIFFER
-from zero_lab.stages.lockstep import order_fingerprint
+from zero_lab.stages.accumulation import FORWARDS_DIFFER, describe_forward, forward_fingerprint
 from zero_lab.stages.units import Unit
 from zero_lab.stages.zero2 import Zero2
-
-# What differs when only stage 3's forward fingerprint does (lockstep.py).
-FORWARDS_DIFFER = (
-    "the ranks ran the units of this forward in different orders, or " + MICRO_BATCHES_DIFFER
-    + ". At stage 3 each unit's all-gather meets the same-numbered all-gather on the other "
-    "ranks, so every rank must call the same units in the same order (no rank-dependent "
-    "control flow around units)")
 
 # ============================================================================ the stage
 
@@ -127,9 +113,7 @@ class Zero3(Zero2):
                          grad_accumulation=grad_accumulation)
         self.units = units
         self.reshard_after_forward = reshard_after_forward
-        # Units left gathered after their forward (reshard_after_forward=False), until their
-        # backward, or the backward outside no_sync, releases them.
-        self._kept: set[int] = set()
+        self._kept: set[int] = set()  # gathered past their forward (reshard_after_forward)
         self._withheld: set[int] = set()  # kept units whose .grad pieces were not given out
         self.replicated = [unit.replicated for unit in units]
         self.prefetch = prefetch
@@ -288,17 +272,11 @@ class Zero3(Zero2):
         on the rank paired each unit's all-gather with another unit's: raise now, before
         backward pairs more of them."""
         gathers, self._gathers = self._gathers or [], None
-        # With accumulation: the backwards since the last step and whether this forward's
-        # backward will send (no_sync), so ranks that accumulate differently fail here,
-        # before a backward that sends meets one that does not (accumulation.py).
-        n, syncs = self.backwards_since_step, self.requires_sync
-        self.check_lockstep(
-            "forward", order_fingerprint([*gathers, -1, n, int(syncs)]),
-            detail=lambda: ("gathering " + (", ".join(self.units[u].name for u in gathers)
-                                            or "no unit")
-                            + f"; {n} backward(s) since its last step"
-                            + ("" if syncs else "; under no_sync")),
-            why=FORWARDS_DIFFER)
+        n, syncs = self.backwards_since_step, self.requires_sync  # (accumulation.py)
+        self.check_lockstep("forward", forward_fingerprint(gathers, n, syncs),
+                            detail=lambda: describe_forward(
+                                [self.units[u].name for u in gathers], n, syncs),
+                            why=FORWARDS_DIFFER)
 
     def before_first_collective(self, phase: str) -> None:
         """Stage 3 checks at the end of every forward instead (_check_forward_lockstep): its
@@ -344,16 +322,11 @@ class Zero3(Zero2):
         # in stage 2.
         self._take_grads(g)
         self._close_span("backward", g)
-        if not self._keeps_for_next_micro_batch():
+        if self.reshard_after_forward or self._syncing:  # else kept for the next one
             self.release(g)
         if not self.defers():
             self._event("reduce_scatter", g)
         super().on_group_ready(g)
-
-    def _keeps_for_next_micro_batch(self) -> bool:
-        """reshard_after_forward=False under no_sync: units stay gathered until the backward
-        that sends (the parameters cannot change before the step)."""
-        return not self.reshard_after_forward and not self._syncing
 
     def on_backward_end(self) -> None:
         super().on_backward_end()  # wait for the last reduce-scatters
@@ -381,10 +354,8 @@ class Zero3(Zero2):
         """Each parameter's `.grad` becomes its piece of the unit's gradient slice."""
         for u, (unit, step_param) in enumerate(zip(self.units, self.step_params, strict=True)):
             grad = step_param.grad
-            if unit.gathered and not unit.replicated:
-                # kept for the next micro-batch: its parameters are full-shaped, and their
-                # next gradients arrive full-shaped; the slice keeps the sum meanwhile
-                pieces = [None] * len(unit.params)
+            if unit.gathered and not unit.replicated:  # kept: full-shaped parameters
+                pieces = [None] * len(unit.params)  # the slice keeps the sum meanwhile
                 self._withheld.add(u)
             else:
                 pieces = unit.pieces(grad) if grad is not None else [None] * len(unit.params)
