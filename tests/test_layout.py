@@ -30,6 +30,8 @@ RANK_SIDE = "zero_lab.workers"
 LONG_MODULES = {
     "zero_lab/memory.py": "the calculators, in the order notebook 01 teaches them; no torch",
     "zero_lab/plots.py": "one figure function per notebook section, in course order",
+    "zero_lab/stages/zero3.py": "stage 3 read top to bottom: one step's hooks, in order, with "
+                                "prefetch and reshard_after_forward woven through them",
 }
 MAX_LINES = 400
 

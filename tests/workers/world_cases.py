@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import gc
 
+import accumulation_cases
 import collectives_cases
 import recompute_cases
 import stage_cases
@@ -26,6 +27,7 @@ PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs 
     "stages": (stage_cases.run, 1),
     "zero3": (zero3_cases.run, 1),
     "recompute": (recompute_cases.run, 2),  # and the precision policy; N = 2 and 4 only
+    "accumulation": (accumulation_cases.run, 2),
 }
 
 

@@ -10,11 +10,11 @@ What each stage shards and when it communicates is told in its own module, top t
 mechanics live in `zero_lab/partition.py` (the flat buffers), `gradient_sync.py` (hooks and
 the end-of-backward callback) and `sharded_optimizer.py` (the optimizer wrapper, clipping,
 mixed precision). What keeps torch's own habits right on a sharded model lives beside them:
-`loading.py` (`model.load_state_dict`), `torch_clipping.py` (`torch.nn.utils.
-clip_grad_norm_`), `buffers.py` (DDP's `broadcast_buffers`), `agreement.py` (ranks that
-were given different things refuse together), `lockstep.py` (ranks that drift apart during
-training fail together, named) and `at_rest.py` (stage 3 refuses a read of a resting
-parameter's piece).
+`accumulation.py` (`model.no_sync()`), `loading.py` (`model.load_state_dict`),
+`torch_clipping.py` (`torch.nn.utils.clip_grad_norm_`), `buffers.py` (DDP's
+`broadcast_buffers`), `agreement.py` (ranks that were given different things refuse
+together), `lockstep.py` (ranks that drift apart during training fail together, named) and
+`at_rest.py` (stage 3 refuses a read of a resting parameter's piece).
 
 `shard()` changes the model in place and returns it, in three steps that every stage shares
 (read it top to bottom): trainable parameters move into flat buffers (stages 0-2: one per
@@ -42,6 +42,7 @@ from torch import nn
 
 from zero_lab.memory import PRECISIONS
 from zero_lab.partition import TRANSPORTS, make_flat_groups
+from zero_lab.stages.accumulation import check_accumulation_arguments, install_no_sync
 from zero_lab.stages.agreement import check_ranks_agree
 from zero_lab.stages.buffers import BufferSync
 from zero_lab.stages.ddp import DataParallel
@@ -102,6 +103,8 @@ def shard(
     checkpoint_activations: bool | Sequence[type] = False,
     keep_fp32: Sequence[type] = (),
     reduce_dtype: torch.dtype | None = None,
+    grad_accumulation: str = "sharded",
+    reshard_after_forward: bool = True,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
@@ -139,12 +142,21 @@ def shard(
     checkpoint_wrapper, non-reentrant; no extra collective at any stage). In mixed precision,
     `keep_fp32`, e.g. (nn.LayerNorm,), keeps modules of those classes in fp32, and
     `reduce_dtype=torch.float32` reduces gradients in fp32 (FSDP2's MixedPrecisionPolicy;
-    mixed_precision.py). Needs an initialised default
+    mixed_precision.py). The model gets `model.no_sync()` (torch DDP's; FSDP2's
+    set_requires_gradient_sync(False)): backwards inside it keep their gradients on this
+    rank, the next one outside sends the sum (accumulation.py).
+    `grad_accumulation` (stages 2 and 3): what they keep under no_sync, "sharded" (every
+    backward still reduce-scatters: the gradient saving holds, k x the bytes) or "unsharded"
+    (a full gradient held until the backward that sends: one reduce-scatter per step).
+    `reshard_after_forward` (stage 3, FSDP2's name): False keeps each unit gathered from its
+    forward to its backward, and across micro-batches under no_sync (2Ψ per step instead of
+    3Ψ, full parameters resident; zero3.py). Needs an initialised default
     process group; call it on every rank: the ranks first check they were all given the
     same model and settings (one small all-gather), and refuse together if not.
     """
     _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
                      unit_classes, find_unused_parameters, check_order, root_params)
+    check_accumulation_arguments(stage, grad_accumulation, reshard_after_forward)
     if not isinstance(broadcast_buffers, bool):
         raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
     if not isinstance(check_lockstep, bool):
@@ -164,7 +176,9 @@ def shard(
                                      for c in unit_classes or []], root_params=root_params,
                        checkpoint_activations=describe_recompute(checkpoint_activations),
                        keep_fp32=[c.__qualname__ for c in keep_fp32],
-                       reduce_dtype=str(reduce_dtype))
+                       reduce_dtype=str(reduce_dtype),
+                       grad_accumulation=grad_accumulation,
+                       reshard_after_forward=reshard_after_forward)
     compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
     kept = kept_parameter_ids(model, keep_fp32)  # parameters the policy keeps in fp32
 
@@ -220,9 +234,10 @@ def shard(
     unused = find_unused_parameters
     if stage == 3:
         sync = Zero3(model, units, prefetch=prefetch, find_unused_parameters=unused,
-                     check_order=check_order)
+                     check_order=check_order, reshard_after_forward=reshard_after_forward,
+                     grad_accumulation=grad_accumulation)
     elif stage == 2:
-        sync = Zero2(groups, find_unused_parameters=unused)
+        sync = Zero2(groups, find_unused_parameters=unused, grad_accumulation=grad_accumulation)
     elif stage == 1:
         sync = Zero1(groups, variant=zero1_variant, find_unused_parameters=unused)
     else:
@@ -233,6 +248,7 @@ def shard(
                              enabled=check_lockstep and transport != "none")
     opt = ShardedOptimizer(sync, plan, masters or None)
     setattr(model, SHARDED_ATTR, opt)
+    install_no_sync(model, sync)
     if broadcast_buffers and any(True for _ in model.buffers()):
         setattr(model, BUFFERS_ATTR,
                 BufferSync(model, before_send=partial(sync.before_first_collective, "buffers")))

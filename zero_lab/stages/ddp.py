@@ -15,6 +15,10 @@ averaged gradient R. The next backward adds each rank's local gradient L_r on to
 all-reduce averages R + L_r into R + mean(L_r), what one process would have accumulated.
 
 Communication per step: one all-reduce of Ψ elements, 2Ψ in the paper's count.
+
+Under `model.no_sync()` (accumulation.py) a backward only adds into that buffer and sends
+nothing; the next backward outside it all-reduces the sum: 2Ψ per optimizer step, whatever
+the number of micro-batches (torch's DDP.no_sync()).
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ class DataParallel(GradientSync):
     def on_group_ready(self, g: int) -> None:
         # The bucket is complete: start averaging it across ranks, and do not wait.
         self.adopt_grads(g, self.grad_views[g])
+        if self.defers():  # no_sync: the gradient stays in the buffer, summed locally
+            return
         work = self.groups[g].all_reduce(self.grad_buffers[g], async_op=True)
         self._in_flight.append(work)
 
@@ -67,3 +73,4 @@ class DataParallel(GradientSync):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero_grad_buffers(set_to_none)
+        self.drop_unsynced()

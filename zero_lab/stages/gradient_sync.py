@@ -52,6 +52,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import FlatParamGroup
+from zero_lab.stages.accumulation import MICRO_BATCHES_DIFFER, refuse_unsynced_step
 from zero_lab.stages.lockstep import Lockstep
 
 
@@ -111,6 +112,14 @@ class GradientSync:
         self.lockstep: Lockstep | None = None
         self.steps_taken = 0  # optimizer steps so far
         self._checked_this_step = False
+        # Gradient accumulation (accumulation.py): False inside model.no_sync(); read once
+        # per backward, when it starts (`_syncing`). `unsynced`: the last backward kept its
+        # gradient on this rank and nothing was sent since.
+        self.requires_sync = True
+        self._syncing = True
+        self.unsynced = False
+        self.backwards_since_step = 0  # in the lockstep check's fingerprint
+        self._arrived_unsynced: list[list[bool]] | None = None  # find_unused, under no_sync
         self._hook_handles: list = []
         for g, group in enumerate(groups):
             for i, p in enumerate(group.params):
@@ -126,6 +135,7 @@ class GradientSync:
                 return
             self.abandon_unfinished_backward()  # an earlier backward raised half-way
         self._callback_queued = True
+        self._syncing = self.requires_sync  # this whole backward sends, or keeps, its gradients
         self._backward_task = task
         torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_done)
 
@@ -162,7 +172,7 @@ class GradientSync:
             self._hand_over(g)
 
     def _hand_over(self, g: int) -> None:
-        if self._handed_over == 0:
+        if self._handed_over == 0 and not self.defers():
             self.before_first_collective("backward")
         self.on_group_ready(g)
         self._handed_over += 1
@@ -175,31 +185,54 @@ class GradientSync:
             self._hand_over(self.handover_order[self._handed_over])
         self.on_backward_end()
         self._agree_on_grads()
+        self.unsynced = self.defers()
+        self.backwards_since_step += 1
         self._ready_params = [0] * len(self.groups)
         self._handed_over = 0
         self._callback_queued = False
 
     # ------------------------------------------------------------------ lockstep
-    def check_lockstep(self, phase: str, fingerprint: int = 0, detail=None) -> None:
+    def check_lockstep(self, phase: str, fingerprint: int = 0, detail=None,
+                       why: str | None = None) -> None:
         """Every rank compares (phase, steps taken, fingerprint); all raise if they differ."""
         if self.lockstep is not None:
-            self.lockstep.check(phase, self.steps_taken, fingerprint, detail)
+            self.lockstep.check(phase, self.steps_taken, fingerprint, detail, why)
 
     def before_first_collective(self, phase: str) -> None:
         """Stages 0-2: the first collective of this step is about to go out (a backward's
         first bucket, changed buffers, or a step's all-gather when no backward came since
         the last step): check the ranks are in lockstep first, once a step. A rank that
-        drifted meets the others' check with its own, so the check cannot pair wrongly."""
+        drifted meets the others' check with its own, so the check cannot pair wrongly.
+        The fingerprint is the number of backwards since the last step: under no_sync the
+        first collective is the last micro-batch's, so ranks that accumulated different
+        numbers of micro-batches differ here."""
         if not self._checked_this_step:
             self._checked_this_step = True
-            self.check_lockstep(phase)
+            n = self.backwards_since_step
+            self.check_lockstep(phase, n, why=MICRO_BATCHES_DIFFER,  # (said when accumulating)
+                                detail=(lambda: f"{n} backward(s) since its last step") if n
+                                else None)
 
     def step_starts(self) -> None:
+        if self.unsynced:
+            refuse_unsynced_step()
         self.before_first_collective("step")
 
     def step_ends(self) -> None:
         self.steps_taken += 1
         self._checked_this_step = False
+        self.backwards_since_step = 0
+
+    # ------------------------------------------------------------------ accumulation
+    def defers(self) -> bool:
+        """Does the backward running now keep its gradients on this rank (no_sync)? Stages
+        0 and 1 always can (they hold a full gradient buffer); stages 2-3 override."""
+        return not self._syncing
+
+    def drop_unsynced(self) -> None:
+        """zero_grad(): what was accumulated under no_sync is gone with the gradients."""
+        self.unsynced = False
+        self._arrived_unsynced = None
 
     def _refuse_unfrozen(self) -> None:
         unfrozen = [name for name, p in self.frozen if p.requires_grad]
@@ -215,6 +248,15 @@ class GradientSync:
         """Every rank learns which parameters have a gradient now; `.grad` follows."""
         arrived_here = self._arrived_here
         self._arrived_here = [[False] * len(g.params) for g in self.groups]
+        if self.find_unused_parameters:  # the ranks agree once, when the gradients are sent
+            if self._arrived_unsynced is not None:
+                arrived_here = [[a or b for a, b in zip(x, y, strict=True)]
+                                for x, y in zip(arrived_here, self._arrived_unsynced,
+                                                strict=True)]
+                self._arrived_unsynced = None
+            if self.defers():
+                self._arrived_unsynced = arrived_here
+                return
         if not self.find_unused_parameters:
             missing = sorted(name for group, arrived in zip(self.groups, arrived_here,
                                                             strict=True)

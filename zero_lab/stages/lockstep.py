@@ -73,10 +73,11 @@ class Lockstep:
         self.seconds = 0.0  # spent inside check() so far (make bench reports it per step)
 
     def check(self, phase: str, steps: int, fingerprint: int = 0,
-              detail: Callable[[], str] | None = None) -> None:
+              detail: Callable[[], str] | None = None, why: str | None = None) -> None:
         """Raise RuntimeError on every rank if the ranks differ. `detail()` says in words
         what the fingerprint stands for (stage 3: the units in the order they ran); it is
-        called, and its text gathered from every rank, only when the ranks differ."""
+        called, and its text gathered from every rank, only when the ranks differ. `why`
+        explains a difference in the fingerprint alone (default: stage 3's unit order)."""
         if not self.enabled:
             return
         mine = torch.tensor([PHASES[phase], steps, fingerprint], dtype=torch.int64,
@@ -93,10 +94,11 @@ class Lockstep:
         # Every rank found the same difference, so every rank joins this second gather.
         details: list = [None] * self.world_size
         dist.all_gather_object(details, detail() if detail else "", group=self.process_group)
-        raise RuntimeError(_disagreement(rows, details))
+        raise RuntimeError(_disagreement(rows, details, why))
 
 
-def _disagreement(rows: list[tuple[int, int, int]], details: list[str]) -> str:
+def _disagreement(rows: list[tuple[int, int, int]], details: list[str],
+                  fingerprint_why: str | None = None) -> str:
     names = {code: name for name, code in PHASES.items()}
     ranks = "; ".join(
         f"rank {r} {_DOING[names[phase]]} ({steps} optimizer steps taken"
@@ -107,6 +109,8 @@ def _disagreement(rows: list[tuple[int, int, int]], details: list[str]) -> str:
                "where another computes: every rank must call forward, backward and "
                "opt.step() the same number of times, in the same order (no rank-dependent "
                "`if` around them)")
+    elif fingerprint_why:
+        why = fingerprint_why
     else:
         why = ("the ranks ran the units of this forward in different orders: at stage 3 each "
                "unit's all-gather meets the same-numbered all-gather on the other ranks, so "

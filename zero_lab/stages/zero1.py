@@ -24,6 +24,11 @@ ranks' L_s would divide R by N again. So from the second backward on, gradients 
 by N on their way in ("pre-divide", as torch's DDP default comm hook does) and the
 reduce-scatter *sums*: R + L_r/N + sum over s of L_s/N = R + mean(L). Correct.
 
+Under `model.no_sync()` (accumulation.py) a backward only adds into the full buffer (by the
+same rule: pre-divided once the slice holds an average); the next backward outside it
+reduce-scatters the sum: Ψ + Ψ per optimizer step whatever the number of micro-batches, the
+gradient memory stage 1 pays anyway (Megatron-LM's distributed optimizer is this stage).
+
 The seed notes' variant, `variant="all_reduce"`, all-reduces the full gradients instead and
 keeps the owned slice: 2Ψ + Ψ for the all-gather = 3Ψ per step, for the same memory.
 Notebook 03 measures both with the ledger.
@@ -89,7 +94,10 @@ class Zero1(GradientSync):
         self.adopt_grad(g, i, param)
 
     def on_backward_end(self) -> None:
-        if not self.reduce_in_step:
+        if self.defers():  # no_sync: the gradients stay in the full buffer, summed locally
+            for g in range(len(self.groups)):
+                self.adopt_grads(g, self.grad_views[g])
+        elif not self.reduce_in_step:
             self.reduce_gradients()
 
     def reduce_gradients(self) -> None:
@@ -128,6 +136,7 @@ class Zero1(GradientSync):
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero_grad_buffers(set_to_none)
         self._holds_average = False
+        self.drop_unsynced()
 
 
 class ZeroRedundancyOptimizer(ShardedOptimizer):

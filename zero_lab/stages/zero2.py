@@ -20,6 +20,13 @@ of about `bucket_mb` megabytes).
 
 Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, as stage 0 and stage 1.
 
+Gradient accumulation under `model.no_sync()` (accumulation.py), `grad_accumulation`:
+- "sharded" (default): nothing changes, every backward reduce-scatters as above and adds its
+  slice to the last: the gradient saving holds, and k micro-batches send kΨ + Ψ.
+- "unsharded": a backward under no_sync keeps each bucket's full gradient (`_held`, Ψ in
+  all: stage 1's gradient memory) and the next backward adds into it and reduce-scatters the
+  sum once, freeing it: 2Ψ per optimizer step (FSDP2's set_requires_gradient_sync(False)).
+
 The seed blog's "ZeRO-2" reached a higher peak than its ZeRO-1 because its reduce-scatter
 concatenated N copies of every gradient and its hooks returned None, which keeps the gradient
 instead of discarding it. Here the full gradient's memory is really released: `param.grad =
@@ -55,8 +62,10 @@ class Zero2(GradientSync):
 
     def __init__(self, groups: list[FlatParamGroup],
                  owned_slices: list[torch.Tensor] | None = None,
-                 find_unused_parameters: bool = False) -> None:
+                 find_unused_parameters: bool = False,
+                 grad_accumulation: str = "sharded") -> None:
         super().__init__(groups, find_unused_parameters)
+        self.grad_accumulation = grad_accumulation  # what no_sync keeps (module docstring)
         # The optimizer updates this rank's slice of each flat buffer (a view, no copy), or
         # the `owned_slices` given (stage 3 keeps slices in memory of their own). Its
         # gradient appears at the end of backward: grads are sharded.
@@ -65,26 +74,44 @@ class Zero2(GradientSync):
         for owned in owned_slices:
             self.step_params.append(nn.Parameter(owned, requires_grad=False))
         self._buckets: list[torch.Tensor | None] = [None] * len(groups)  # filling this backward
+        # "unsharded" accumulation: each bucket's full gradient summed over the backwards run
+        # under no_sync since the last one sent (None: nothing held).
+        self._held: list[torch.Tensor | None] = [None] * len(groups)
         self._arrived: list[list[bool]] = [[False] * len(g.params) for g in groups]
         self._in_flight: deque[_InFlight] = deque()
 
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
         group = self.groups[g]
         if self._buckets[g] is None:  # first gradient of this bucket in this backward
-            self._buckets[g] = group.new_full(zeroed=False)  # every element gets written
+            # add into what no_sync backwards held, or a fresh buffer that every element of
+            # is written (here, or zeroed in on_group_ready)
+            held = self._held[g]
+            self._buckets[g] = held if held is not None else group.new_full(zeroed=False)
         offset, numel = group.offsets[i], group.numels[i]
-        self._buckets[g][offset:offset + numel].copy_(param.grad.reshape(-1))
+        target = self._buckets[g][offset:offset + numel]
+        if self._held[g] is not None:
+            target.add_(param.grad.reshape(-1))
+        else:
+            target.copy_(param.grad.reshape(-1))
         self._arrived[g][i] = True
         param.grad = None  # the full gradient of this parameter is freed now
 
     def on_group_ready(self, g: int) -> None:
         group = self.groups[g]
-        full = self._buckets[g] if self._buckets[g] is not None else group.new_full(zeroed=False)
-        for i, arrived in enumerate(self._arrived[g]):
-            if not arrived:  # unused in this backward: contributes zeros
-                full[group.offsets[i]:group.offsets[i] + group.numels[i]].zero_()
-        full[group.numel:].zero_()  # the padding
+        held = self._held[g]
+        full = self._buckets[g] if self._buckets[g] is not None else held
+        if full is None:
+            full = group.new_full(zeroed=False)
+        if full is not held:  # a fresh buffer: unused parameters and padding contribute zeros
+            for i, arrived in enumerate(self._arrived[g]):
+                if not arrived:
+                    full[group.offsets[i]:group.offsets[i] + group.numels[i]].zero_()
+            full[group.numel:].zero_()  # the padding
         self._buckets[g], self._arrived[g] = None, [False] * len(group.params)
+        if self.defers():  # no_sync, "unsharded": keep the full gradient, send it later
+            self._held[g] = full
+            return
+        self._held[g] = None  # sent now, freed once sent
         if self.replicated[g]:  # kept whole on every rank: average the whole gradient
             owned = full
             work = group.all_reduce(full, async_op=True)
@@ -112,8 +139,18 @@ class Zero2(GradientSync):
 
     def on_backward_abandoned(self) -> None:
         self._retire(keep=0)  # buckets already sent: their slices are added, as gradients
-        self._buckets = [None] * len(self.groups)  # half-filled ones: never sent
-        self._arrived = [[False] * len(g.params) for g in self.groups]
+        self._buckets = [None] * len(self.groups)  # half-filled ones: never sent (a held one
+        self._arrived = [[False] * len(g.params) for g in self.groups]  # keeps what it got)
+
+    @property
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The full gradients held under no_sync ("unsharded"), which `measured.held_bytes`
+        counts as gradients, as it counts stages 0-1's buffers."""
+        return [h for h in self._held if h is not None]
+
+    def defers(self) -> bool:
+        """Under no_sync only "unsharded" accumulation keeps gradients on this rank."""
+        return self.grad_accumulation == "unsharded" and not self._syncing
 
     def after_step(self) -> None:
         self.all_gather_params()
@@ -122,3 +159,5 @@ class Zero2(GradientSync):
         clear_grads(self.step_params, set_to_none)  # the owned gradient slices
         if set_to_none:
             self.clear_has_grad()
+        self._held = [None] * len(self.groups)  # accumulated under no_sync: dropped too
+        self.drop_unsynced()

@@ -59,6 +59,11 @@ and backward; later steps start the all-gather of the *next* unit, asynchronousl
 as the current one starts computing, so communication overlaps computation. At most two
 units are gathered at once (the current and the next).
 
+`reshard_after_forward=False` (FSDP2's name) keeps a unit gathered from its forward to its
+backward (2Ψ per step, full parameters resident meanwhile) and, under `model.no_sync()`, to
+the next micro-batch (accumulation.py); a forward without gradients and `opt.step()` still
+release (a full copy kept past the step would be stale).
+
 Why rebinding `.data` alone would not free memory (the seed blog's `release`): autograd
 holds references to the tensors forward used; `param.data = shard` moves the parameter but
 leaves those references, and the memory, alive. Here the storage itself shrinks to zero.
@@ -85,7 +90,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.profiling.marks import Span
-from zero_lab.stages.lockstep import order_fingerprint
+from zero_lab.stages.accumulation import FORWARDS_DIFFER, describe_forward, forward_fingerprint
 from zero_lab.stages.units import Unit
 from zero_lab.stages.zero2 import Zero2
 
@@ -100,10 +105,16 @@ class Zero3(Zero2):
     MAX_IN_FLIGHT = 1  # reduce-scatters not yet complete: keeps at most two full gradients
 
     def __init__(self, model: nn.Module, units: list[Unit], prefetch: bool = True,
-                 find_unused_parameters: bool = False, check_order: bool = False) -> None:
+                 find_unused_parameters: bool = False, check_order: bool = False,
+                 reshard_after_forward: bool = True, grad_accumulation: str = "sharded"
+                 ) -> None:
         super().__init__([u.group for u in units], owned_slices=[u.local for u in units],
-                         find_unused_parameters=find_unused_parameters)
+                         find_unused_parameters=find_unused_parameters,
+                         grad_accumulation=grad_accumulation)
         self.units = units
+        self.reshard_after_forward = reshard_after_forward
+        self._kept: set[int] = set()  # gathered past their forward (reshard_after_forward)
+        self._withheld: set[int] = set()  # kept units whose .grad pieces were not given out
         self.replicated = [unit.replicated for unit in units]
         self.prefetch = prefetch
         # Debug aid: before every all-gather, the ranks check they gather the same unit.
@@ -165,6 +176,7 @@ class Zero3(Zero2):
 
     def release(self, u: int) -> None:
         unit = self.units[u]
+        self._kept.discard(u)
         if unit.busy:
             unit.release()
             self._event("release", u)
@@ -229,18 +241,22 @@ class Zero3(Zero2):
         if _in_backward():  # a recomputation inside the unit's backward: keep it gathered
             return
         self._close_span("forward", u)
-        self.release(u)
-        if torch.is_grad_enabled():
-            outputs = [t for t in _tensors(output) if t.requires_grad]
-            if outputs:  # gather again when backward reaches this unit
-                torch.autograd.graph.register_multi_grad_hook(
-                    outputs, partial(self._pre_backward, u), mode="any")
+        outputs = ([t for t in _tensors(output) if t.requires_grad]
+                   if torch.is_grad_enabled() else [])
+        if outputs and not self.reshard_after_forward:
+            self._kept.add(u)  # stays gathered: its backward needs no second all-gather
+        else:
+            self.release(u)
+        if outputs:  # gather again (if released) when backward reaches this unit
+            torch.autograd.graph.register_multi_grad_hook(
+                outputs, partial(self._pre_backward, u), mode="any")
 
     def _forward_end(self, root: int | None, module: nn.Module, args, output) -> None:
         if root is not None:
             self._post_forward(root, module, args, output)
         for u in range(len(self.units)):  # a prefetch the forward did not use
-            self.release(u)
+            if u not in self._kept:
+                self.release(u)
         if self._forward_record is not None:  # the first forward: learn the order
             order, self._forward_record = self._forward_record, None
             self.forward_order = order
@@ -256,9 +272,11 @@ class Zero3(Zero2):
         on the rank paired each unit's all-gather with another unit's: raise now, before
         backward pairs more of them."""
         gathers, self._gathers = self._gathers or [], None
-        self.check_lockstep("forward", order_fingerprint(gathers),
-                            detail=lambda: "gathering " + ", ".join(
-                                self.units[u].name for u in gathers))
+        n, syncs = self.backwards_since_step, self.requires_sync  # (accumulation.py)
+        self.check_lockstep("forward", forward_fingerprint(gathers, n, syncs),
+                            detail=lambda: describe_forward(
+                                [self.units[u].name for u in gathers], n, syncs),
+                            why=FORWARDS_DIFFER)
 
     def before_first_collective(self, phase: str) -> None:
         """Stage 3 checks at the end of every forward instead (_check_forward_lockstep): its
@@ -283,7 +301,9 @@ class Zero3(Zero2):
             return
         self._grads_taken[u] = True
         unit, step_param = self.units[u], self.step_params[u]
-        if step_param.grad is not None:
+        if u in self._withheld:  # kept gathered: no piece was given out, nothing to fold
+            self._withheld.discard(u)
+        elif step_param.grad is not None:
             for i, (p, piece) in enumerate(zip(unit.params, unit.pieces(step_param.grad),
                                                strict=True)):
                 if p.grad is None:  # no gradient (any more): as in one process
@@ -298,17 +318,21 @@ class Zero3(Zero2):
 
     def on_group_ready(self, g: int) -> None:
         # Every gradient of unit g is in its full gradient buffer: the full parameters are
-        # no longer needed; the gradient goes out as in stage 2.
+        # no longer needed (unless kept for the next micro-batch); the gradient goes out as
+        # in stage 2.
         self._take_grads(g)
         self._close_span("backward", g)
-        self.release(g)
-        self._event("reduce_scatter", g)
+        if self.reshard_after_forward or self._syncing:  # else kept for the next one
+            self.release(g)
+        if not self.defers():
+            self._event("reduce_scatter", g)
         super().on_group_ready(g)
 
     def on_backward_end(self) -> None:
         super().on_backward_end()  # wait for the last reduce-scatters
         for u in range(len(self.units)):
-            self.release(u)  # a unit prefetched for a backward that did not come
+            if u not in self._kept:
+                self.release(u)  # a unit prefetched for a backward that did not come
         self._give_out_grads()
         self._grads_taken = [False] * len(self.units)
         if self.backward_order is None and self._backward_record:
@@ -328,13 +352,26 @@ class Zero3(Zero2):
 
     def _give_out_grads(self) -> None:
         """Each parameter's `.grad` becomes its piece of the unit's gradient slice."""
-        for unit, step_param in zip(self.units, self.step_params, strict=True):
+        for u, (unit, step_param) in enumerate(zip(self.units, self.step_params, strict=True)):
             grad = step_param.grad
-            pieces = unit.pieces(grad) if grad is not None else [None] * len(unit.params)
+            if unit.gathered and not unit.replicated:  # kept: full-shaped parameters
+                pieces = [None] * len(unit.params)  # the slice keeps the sum meanwhile
+                self._withheld.add(u)
+            else:
+                pieces = unit.pieces(grad) if grad is not None else [None] * len(unit.params)
+                self._withheld.discard(u)
             for p, piece in zip(unit.params, pieces, strict=True):
                 p.grad = piece
 
     # ------------------------------------------------------------------ optimizer side
+    def before_step(self) -> None:
+        """A unit still gathered (kept by reshard_after_forward=False, or by a forward with
+        no backward) would be stale after the update: release it; the next forward gathers."""
+        for u in range(len(self.units)):
+            self.release(u)
+        if self._withheld:
+            self._give_out_grads()  # now at rest: each parameter's .grad is its piece
+
     def after_step(self) -> None:
         """Nothing to send: the slices were updated in place, and the next forward gathers."""
 
