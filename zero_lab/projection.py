@@ -202,6 +202,32 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     }
 
 
+# ------------------------------------------------------------------ hybrid sharding
+
+
+def hybrid_bytes_per_step(group_numels, stage: int, replicas: int, shards: int,
+                          bytes_per_elem: int = 4) -> dict[str, dict[str, int]]:
+    """What one rank's collectives carry in one training step on an R x S hybrid layout
+    (stages/hybrid.py), per level and op: {"shard": {op: bytes}, "replicate": {op: bytes}},
+    each op's full messages summed as CommLedger.by_level() counts them (nccl-tests' size:
+    the reduce-scatter's input, the all-gather's output).
+
+    Each flat group (a stage-3 unit, a stage 0-2 bucket) of Ψ_g elements is padded to
+    P_g = S·ceil(Ψ_g / S) and sharded over the S ranks of a group:
+        inside the group     stage 3: all-gather P_g twice (forward, backward),
+                             reduce-scatter P_g; stages 0-2: reduce-scatter P_g, all-gather
+                             P_g (stage 0's hierarchical all-reduce is those two)
+        across the groups    all-reduce of the averaged slice, P_g / S
+    """
+    stage = _stage(stage)
+    _integer("replicas", replicas)  # R sets the ring's share of the all-reduce, not its size
+    s = _integer("shards", shards)
+    padded = [s * -(-_integer("group numel", n) // s) for n in group_numels]
+    total = sum(padded) * bytes_per_elem
+    inside = {"all_gather": (2 if stage == 3 else 1) * total, "reduce_scatter": total}
+    return {"shard": inside, "replicate": {"all_reduce": total // s}}
+
+
 # ------------------------------------------------------------------ choosing a stage
 
 

@@ -1,5 +1,5 @@
-"""One launch per world size for three case workers: the collectives (N > 1), stages 0-2
-and stage 3 cases, each reported under its own key.
+"""One launch per world size for the case workers: the collectives (N > 1), stages 0-2,
+stage 3 and hybrid sharding (N = 4) cases, each reported under its own key.
 
 A launch costs seconds before a rank runs anything (torchrun's agent and every rank import
 torch; 8-12 s at N = 4 on two cores): sharing it saves two of every three. The parts run in
@@ -7,7 +7,8 @@ turn in one process group and keep their own random seeds, so each computes what
 alone. A part that raises fails the launch, and with it every test of that world size, with
 its rank's traceback (catching it would leave the other ranks waiting in a collective).
 
-    {"collectives": ..., "stages": ..., "zero3": ...}   read by tests/common.py case_reports
+    {"collectives": ..., "stages": ..., "zero3": ..., "hsdp": ...}   read by tests/common.py
+                                                                  case_reports
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from __future__ import annotations
 import gc
 
 import collectives_cases
+import hsdp_cases
 import stage_cases
 import zero3_cases
 
@@ -24,6 +26,7 @@ PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs 
     "collectives": (collectives_cases.run, 2),
     "stages": (stage_cases.run, 1),
     "zero3": (zero3_cases.run, 1),
+    "hsdp": (hsdp_cases.run, 4),  # hybrid sharding on a 2 x 2 mesh
 }
 
 

@@ -46,6 +46,7 @@ from zero_lab.stages.agreement import check_ranks_agree
 from zero_lab.stages.buffers import BufferSync
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
+from zero_lab.stages.hybrid import make_mesh, mesh_shape
 from zero_lab.stages.loading import route_loading
 from zero_lab.stages.lockstep import Lockstep
 from zero_lab.stages.mixed_precision import COMPUTE_DTYPES, to_compute_dtype
@@ -91,6 +92,7 @@ def shard(
     check_order: bool = False,
     broadcast_buffers: bool = True,
     check_lockstep: bool = True,
+    mesh=None,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
@@ -122,7 +124,12 @@ def shard(
     some changed (buffers.py). `check_lockstep` (on by default): once a step the ranks check,
     with one all-gather of 24 bytes a rank, that they have taken the same number of
     optimizer steps and, at stage 3, gathered the units of the forward in the same order;
-    if not, every rank raises, naming the ranks (lockstep.py). Needs an initialised default
+    if not, every rank raises, naming the ranks (lockstep.py). `mesh=(R, S)` (or a 2-D torch
+    DeviceMesh, dimensions (replicate, shard), as FSDP2's `fully_shard(model, mesh=...)`
+    takes): hybrid sharding (hybrid.py), R groups of S ranks, sharded inside a group and
+    replicated across the groups; all-gathers stay inside a group, gradients are
+    reduce-scattered inside it and their slices all-reduced across; the CommLedger records
+    each collective's level. Needs an initialised default
     process group; call it on every rank: the ranks first check they were all given the
     same model and settings (one small all-gather), and refuse together if not.
     """
@@ -132,7 +139,12 @@ def shard(
         raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
     if not isinstance(check_lockstep, bool):
         raise TypeError(f"check_lockstep must be True or False, got {check_lockstep!r}")
+    if mesh is not None and find_unused_parameters:
+        raise ValueError("find_unused_parameters=True is not supported with a mesh yet: the "
+                         "ranks would agree on which parameters have gradients inside their "
+                         "group only")
     _check_model(model)
+    shape = mesh_shape(mesh) if mesh is not None else None  # checked: no group made yet
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -142,7 +154,10 @@ def shard(
                        find_unused_parameters=find_unused_parameters, check_order=check_order,
                        broadcast_buffers=broadcast_buffers, check_lockstep=check_lockstep,
                        unit_classes=[getattr(c, "__qualname__", repr(c))
-                                     for c in unit_classes or []], root_params=root_params)
+                                     for c in unit_classes or []], root_params=root_params,
+                       mesh=None if shape is None else list(shape))
+    # The ranks agree on the layout: every rank makes the same process groups, in order.
+    layout = make_mesh(mesh) if mesh is not None else None
     compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
 
     # 1. Trainable parameters, each once (a tied weight is one Parameter), into flat groups;
@@ -151,13 +166,13 @@ def shard(
     #    per unit, of which this rank keeps only its slice (zero3.py).
     if stage == 3:
         units, masters = make_units(model, unit_classes, transport, compute_dtype,
-                                    replicate_root=root_params == "replicate")
+                                    replicate_root=root_params == "replicate", mesh=layout)
         groups = [unit.group for unit in units]
     else:
         element_size = compute_dtype.itemsize if compute_dtype else 4  # of the gradients
         groups = make_flat_groups(trainable[::-1], bucket_mb * 2**20, element_size=element_size,
                                   first_bucket_bytes=FIRST_BUCKET_MB * 2**20,
-                                  transport=transport)
+                                  transport=transport, **_levels(layout))
         masters = []
         if compute_dtype:
             # fp32 masters of what this rank updates, taken before anything is rounded.
@@ -191,8 +206,9 @@ def shard(
     else:
         sync = DataParallel(groups, find_unused_parameters=unused)
     sync.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    # Nothing is sent with transport="none" (a compute-only twin), so nothing to check.
-    sync.lockstep = Lockstep(groups[0].process_group, groups[0].device,
+    # Nothing is sent with transport="none" (a compute-only twin), so nothing to check. The
+    # whole world checks (with a mesh, the groups' process groups hold only some ranks).
+    sync.lockstep = Lockstep(None, groups[0].device,
                              enabled=check_lockstep and transport != "none")
     opt = ShardedOptimizer(sync, plan, masters or None)
     setattr(model, SHARDED_ATTR, opt)
@@ -210,6 +226,13 @@ def shard(
     # slices): route it to the optimizer, so a loop that calls model.zero_grad() stays right.
     model.zero_grad = opt.zero_grad
     return model, opt
+
+
+def _levels(layout) -> dict:
+    """make_flat_groups' process groups for a hybrid layout (none for the 1-D world)."""
+    if layout is None:
+        return {}
+    return {"process_group": layout.shard_group, "replicate_group": layout.replicate_group}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
