@@ -12,9 +12,12 @@ measurement.
     project_step      one training step per stage: communication, its latency and bandwidth
                       terms, the exposed part, the step
     peak_floor_bytes  what a step holds beyond model states and activations (N divides none)
-    candidates        stages 0-3 side by side (memory with a reserve, time), a decision table
+    candidates        stages 0-3 side by side (memory with a reserve, time), a decision table;
+                      on a Machine of several nodes, stage 3 as HSDP too (sharded inside a
+                      node, replicated across nodes: `project_step(..., replicas=R)`)
     recommend         the stage to use: fits with the reserve, fastest, ties broken toward
                       less communication, then more headroom
+    hybrid_bytes_per_step  what HSDP sends per step, inside the groups and across them
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ from fractions import Fraction
 from numbers import Integral
 
 from zero_lab import memory
-from zero_lab.collectives.cost_model import ring_bytes_sent, zero_volume
+from zero_lab.collectives.cost_model import ring_bytes_sent, ring_steps, zero_volume
 from zero_lab.interconnect import (  # noqa: F401  (re-exported: the projection's vocabulary)
     LINKS,
     MACHINES,
@@ -126,7 +129,8 @@ def _collectives(stage: int, k: int) -> dict[str, int]:
 
 def project_step(n_params: float, stage: int, world_size: int, link, compute_s: float,
                  bytes_per_elem: int = 2, buckets: int = DEFAULT_BUCKETS,
-                 overlap: float = DEFAULT_OVERLAP, gather_after_step: bool = False) -> dict:
+                 overlap: float = DEFAULT_OVERLAP, gather_after_step: bool = False,
+                 replicas: int = 1) -> dict:
     """One data-parallel training step at ZeRO `stage`, projected on `link` (a Link or a
     Machine, or its name; or an OpLinks, which prices each kind of collective on its own
     link: this machine's all-reduce as gloo's ring, its reduce-scatters and all-gathers as
@@ -151,12 +155,18 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     `gather_after_step=True` describes implementations that all-gather the parameters after
     the optimizer step instead (this course's stages 1-2, DeepSpeed ZeRO-1/2): nothing
     computes then, so by the same rule none of that gather hides.
+    `replicas=R` > 1 (stage 3 only): hybrid sharding (HSDP, stages/hybrid.py) on R groups of
+    S = N/R ranks. Its all-gathers and reduce-scatters run on the S ranks of a group (on a
+    Machine, S must be whole nodes: with S = node_size they never leave NVLink); each
+    reduce-scatter is followed by an all-reduce of its 1/S slice across the R groups
+    (`_across_terms`), in backward, under the same rule.
 
     Returns {"stage", "world_size", "link", "compute_s", "comm_s" (per collective kind),
     "comm_total_s", "latency_s" and "bandwidth_s" (comm_total_s's two terms),
     "bytes_sent" (per rank), "volume_psi" (the ZeRO paper's volume, in Ψ: 2, 2, 2, 3),
     "collectives" (per step), "calls" (per step, by kind), "exposed_s", "step_s"
-    (compute_s + exposed_s), "comm_share"}.
+    (compute_s + exposed_s), "comm_share", "network_bytes" (what one GPU sends over a
+    Machine's network per step; 0 inside one node or on a Link), "replicas"}.
     """
     _number("n_params", n_params)
     stage = _stage(stage)
@@ -168,10 +178,20 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     _number("overlap", overlap, strict=False, top=1.0)
     if not isinstance(gather_after_step, bool):
         raise ValueError(f"gather_after_step must be True or False; got {gather_after_step!r}")
+    r = _integer("replicas", replicas)
+    if r > 1 and (stage != 3 or n % r):
+        raise ValueError(f"replicas={r} is hybrid sharding: stage 3 on a world size it divides; "
+                         f"got stage {stage}, world_size {n}")
+    s = n // r  # the ranks a unit is sharded over
 
     bucket = n_params * bytes_per_elem / k  # one collective's full message
     calls = _collectives(stage, k)
-    terms = {op: collective_terms(op, bucket, n, lk) for op in calls}
+    terms = {op: collective_terms(op, bucket, s, lk) for op in calls}
+    sizes = {op: (bucket, s) for op in calls}  # (message, ranks) of each kind
+    if r > 1:  # every gradient slice is then all-reduced across the groups
+        terms["all_reduce"] = _across_terms(bucket / s, r, s, lk)
+        calls["all_reduce"] = k
+        sizes["all_reduce"] = (bucket / s, r)
     one = {op: t["latency_s"] + t["bandwidth_s"] for op, t in terms.items()}
     forward, backward = compute_s * FORWARD_SHARE, compute_s * (1 - FORWARD_SHARE)
     # phases: (seconds of communication, seconds of it that can never hide, compute under it)
@@ -183,7 +203,7 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
                                                                           forward)
         phases = [params, (k * scatter, scatter, backward)]
     else:
-        gather, scatter = one["all_gather"], one["reduce_scatter"]
+        gather, scatter = one["all_gather"], one["reduce_scatter"] + one.get("all_reduce", 0.0)
         phases = [(k * gather, gather, forward),
                   (k * (gather + scatter), gather + scatter, backward)]
     exposed = sum(total - min(overlap * (total - always), under)
@@ -195,11 +215,48 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
         "comm_s": comm, "comm_total_s": sum(comm.values()),
         "latency_s": sum(c * terms[op]["latency_s"] for op, c in calls.items()),
         "bandwidth_s": sum(c * terms[op]["bandwidth_s"] for op, c in calls.items()),
-        "bytes_sent": sum(c * ring_bytes_sent(op, bucket, n) for op, c in calls.items()),
-        "volume_psi": sum(c * zero_volume(op, 1) for op, c in calls.items()) / k,
+        "bytes_sent": sum(c * ring_bytes_sent(op, *sizes[op]) for op, c in calls.items()),
+        "volume_psi": sum(c * zero_volume(op, sizes[op][0] / bucket)
+                          for op, c in calls.items()) / k,
         "collectives": sum(calls.values()), "calls": dict(calls),
         "exposed_s": exposed, "step_s": step, "comm_share": exposed / step,
+        "network_bytes": sum(c * _network_bytes(op, *sizes[op], lk, across=r > 1 and op ==
+                                                "all_reduce") for op, c in calls.items()),
+        "replicas": r,
     }
+
+
+def _across_terms(nbytes: float, replicas: int, shards: int, link) -> dict[str, float]:
+    """HSDP's all-reduce of a gradient slice (`nbytes`) across R groups of S ranks.
+
+    On a Machine, S must be whole nodes: the R ranks holding the same slice sit on R
+    different nodes, and every GPU of a node runs its own all-reduce at once, through the
+    node's NICs (the network ring of `collective_terms`, each GPU's share of its node's
+    ports). On a Link or an OpLinks, a ring of R ranks on that link (its all-reduce's)."""
+    lk = get_link(link)
+    if not isinstance(lk, Machine):
+        return collective_terms("all_reduce", nbytes, replicas, lk)
+    g = lk.node_size
+    if shards % g:
+        raise ValueError(f"hybrid sharding on {lk.name} shards over whole nodes: S = "
+                         f"{shards} is not a multiple of {g} GPUs per node")
+    net_beta = lk.inter.beta * g / lk.nics_per_node
+    return {"latency_s": ring_steps("all_reduce", replicas) * lk.inter.alpha,
+            "bandwidth_s": ring_bytes_sent("all_reduce", nbytes, replicas) * net_beta}
+
+
+def _network_bytes(op: str, nbytes: float, n: int, link, across: bool = False) -> float:
+    """Bytes one GPU sends over a Machine's network for one collective of `n` ranks (0 on a
+    Link, or inside one node): the network ring's share of the node's 1/g of the message
+    (`collective_terms`); HSDP's all-reduce `across` the groups crosses it whole."""
+    lk = get_link(link)
+    if not isinstance(lk, Machine) or (n <= lk.node_size and not across):
+        return 0.0
+    if across:
+        return ring_bytes_sent(op, nbytes, n)
+    m = n // lk.node_size
+    half = "reduce_scatter" if op in ("reduce_scatter", "all_reduce") else "all_gather"
+    return (2 if op == "all_reduce" else 1) * ring_bytes_sent(half, nbytes / lk.node_size, m)
 
 
 # ------------------------------------------------------------------ hybrid sharding
@@ -261,6 +318,18 @@ class Recommendation:
     step_s: float
     comm_share: float
     reason: str
+    mesh: tuple[int, int] | None = None  # stage 3 as HSDP: (replicas, shards); None: flat
+
+
+def hybrid_mesh(world_size: int, link) -> tuple[int, int] | None:
+    """HSDP's layout on `link`: (nodes, GPUs per node) when it is a Machine and the N ranks
+    span whole nodes, two or more (the shard group is a node); else None (on one node HSDP
+    is stage 3 itself)."""
+    lk = get_link(link)
+    if not isinstance(lk, Machine):
+        return None
+    g = lk.node_size
+    return (world_size // g, g) if world_size > g and world_size % g == 0 else None
 
 
 def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute_s: float,
@@ -268,15 +337,20 @@ def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute
                activation_bytes: float = 0, max_step_s: float | None = None, *,
                buckets: int = DEFAULT_BUCKETS, overlap: float = DEFAULT_OVERLAP,
                gather_after_step: bool = False,
-               reserve_fraction: float = RESERVE_FRACTION) -> list[dict]:
-    """Stages 0-3 evaluated side by side, one dict each, for a decision table.
+               reserve_fraction: float = RESERVE_FRACTION, stages=STAGES,
+               hybrid: bool = True) -> list[dict]:
+    """Stages 0-3 (those in `stages`) evaluated side by side, one dict each, for a decision
+    table; with `hybrid` and stage 3 on a Machine of two or more whole nodes, one more row
+    after them: stage 3 as HSDP (`hybrid_mesh`: sharded over each node's GPUs, replicated
+    across the nodes), which holds stage 3's states over S = node_size ranks, not N.
 
     Keys: stage, model_state_bytes (`memory.model_state_bytes`, per rank), activation_bytes,
     floor_bytes (`peak_floor_bytes`), per_rank_bytes (their sum), reserve_bytes
     (reserve_fraction x gpu_bytes), headroom_bytes (gpu_bytes - per_rank_bytes),
     fits_memory (headroom >= reserve), step_s, comm_share, volume_psi, collectives (from
     `project_step`, communicating in the working precision), meets_time (step_s <=
-    max_step_s, True without a budget).
+    max_step_s, True without a budget), mesh (None, or HSDP's (replicas, shards)),
+    network_bytes (what one GPU sends over the network per step).
     """
     _number("n_params", n_params)
     _integer("world_size", world_size)
@@ -288,23 +362,48 @@ def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute
         _number("max_step_s", max_step_s)
     elem = memory.bytes_per_param(precision, optimizer)["params"]  # what grads are sent in
     reserve = reserve_fraction * gpu_bytes
+    stages = _menu(stages)
+    mesh = hybrid_mesh(world_size, link) if hybrid and 3 in stages else None
+    layouts = [(stage, None) for stage in stages] + ([(3, mesh)] if mesh else [])
     rows = []
-    for stage in STAGES:
-        states = memory.model_state_bytes(n_params, stage, world_size, precision, optimizer)
+    for stage, layout in layouts:
+        replicas, shards = layout or (1, world_size)  # HSDP: stage 3's states over S ranks
+        states = memory.model_state_bytes(n_params, stage, shards, precision, optimizer)
         floor = peak_floor_bytes(n_params, stage, buckets, precision)
         step = project_step(n_params, stage, world_size, link, compute_s, elem, buckets,
-                            overlap, gather_after_step)
+                            overlap, gather_after_step, replicas)
         total = states["total"] + activation_bytes + floor
         rows.append({
-            "stage": stage, "model_state_bytes": states["total"],
+            "stage": stage, "mesh": layout, "model_state_bytes": states["total"],
             "activation_bytes": activation_bytes, "floor_bytes": floor,
             "per_rank_bytes": total, "reserve_bytes": reserve,
             "headroom_bytes": gpu_bytes - total, "fits_memory": gpu_bytes - total >= reserve,
             "step_s": step["step_s"], "comm_share": step["comm_share"],
             "volume_psi": step["volume_psi"], "collectives": step["collectives"],
             "meets_time": max_step_s is None or step["step_s"] <= max_step_s,
+            "network_bytes": step["network_bytes"],
         })
     return rows
+
+
+def _menu(stages) -> tuple[int, ...]:
+    """The stages a framework offers (FSDP2: (0, 3), with hybrid sharding), checked: stage 3,
+    the one that fits last, must be among them."""
+    try:
+        menu = tuple(sorted({_stage(s) for s in stages}))
+    except TypeError:
+        raise ValueError(f"stages must be a collection of 0, 1, 2, 3; got {stages!r}") from None
+    if 3 not in menu:
+        raise ValueError(f"stages must include 3, the stage that fits when no other does; "
+                         f"got {stages!r}")
+    return menu
+
+
+def _label(row: dict) -> str:
+    """How a row is named in a reason: "stage 2", or "stage 3 as HSDP (8 x 8)"."""
+    if row.get("mesh"):
+        return f"stage 3 as HSDP ({row['mesh'][0]} x {row['mesh'][1]})"
+    return f"stage {row['stage']}"
 
 
 def _gib(nbytes: float) -> str:
@@ -330,7 +429,8 @@ def _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision, op
     parameters the room holds, that is when N >= ceil(Ψ/m). (Stepping N up one rank at a
     time from an estimate took 50 s for 1e7 parameters when the room held only a few.)
     """
-    room = gpu_bytes * (1 - reserve_fraction) - rows[3]["activation_bytes"] - rows[3]["floor_bytes"]
+    flat3 = next(r for r in rows if r["stage"] == 3 and r["mesh"] is None)
+    room = gpu_bytes * (1 - reserve_fraction) - flat3["activation_bytes"] - flat3["floor_bytes"]
     per_param = memory.bytes_per_param(precision, optimizer)["total"]
     most = Fraction(room) // per_param  # parameters one rank can hold (exact: no rounding)
     if most < 1:
@@ -344,17 +444,37 @@ def _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision, op
     return n if top is None or n <= top else None
 
 
+def _per_bucket(row: dict) -> int:
+    """Collectives per bucket: HSDP adds the all-reduce across the groups to stage 3's."""
+    return COLLECTIVES_PER_BUCKET[row["stage"]] + (1 if row.get("mesh") else 0)
+
+
 def _why_not(other: dict, chosen: dict) -> str:
     """Why `other`, tied in time with `chosen`, lost the tie-break, in words."""
-    s = other["stage"]
+    s = _label(other)
     if other["volume_psi"] > chosen["volume_psi"]:
-        return f"stage {s} sends {other['volume_psi']:g}Ψ"
-    per_bucket = other["collectives"] / (chosen["collectives"] / COLLECTIVES_PER_BUCKET[
-        chosen["stage"]])
+        return f"{s} sends {other['volume_psi']:g}Ψ"
+    per_bucket = other["collectives"] / (chosen["collectives"] / _per_bucket(chosen))
     if other["collectives"] > chosen["collectives"]:
-        return f"stage {s} makes {per_bucket:g} collectives per bucket"
-    return (f"stage {s} holds {_gib(chosen['headroom_bytes'] - other['headroom_bytes'])} "
+        return f"{s} makes {per_bucket:g} collectives per bucket"
+    return (f"{s} holds {_gib(chosen['headroom_bytes'] - other['headroom_bytes'])} "
             f"more")
+
+
+def _hybrid_words(row: dict, rows: list[dict]) -> str:
+    """Stage 3 chosen on several nodes: HSDP against flat stage 3, in words."""
+    flat = next(r for r in rows if r["stage"] == 3 and r["mesh"] is None)
+    hsdp = next((r for r in rows if r["mesh"]), None)
+    if hsdp is None:
+        return ""
+    if row is hsdp:
+        return (f"; its all-gathers stay inside a node: {hsdp['network_bytes'] / 1e9:.3g} GB a "
+                f"step over the network per GPU, where flat stage 3 sends "
+                f"{flat['network_bytes'] / 1e9:.3g} GB")
+    if not hsdp["fits_memory"]:
+        return (f"; {_label(hsdp)} would need {_gib(hsdp['per_rank_bytes'])} (its states "
+                f"sharded over one node's {hsdp['mesh'][1]} GPUs)")
+    return ""
 
 
 def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_s: float,
@@ -362,52 +482,69 @@ def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_
               activation_bytes: float = 0, max_step_s: float | None = None, *,
               buckets: int = DEFAULT_BUCKETS, overlap: float = DEFAULT_OVERLAP,
               gather_after_step: bool = False, reserve_fraction: float = RESERVE_FRACTION,
-              activations_checkpointed: bool = False) -> Recommendation:
+              activations_checkpointed: bool = False, stages=STAGES,
+              hybrid: bool = True) -> Recommendation:
     """The stage to use, with the numbers (`candidates`) and the reason in words.
 
     1. A stage fits if one rank's states + activations + peak floor leave the reserve
        (reserve_fraction of the GPU) free, and meets max_step_s if given.
-    2. Of those, every stage whose projected step is within TIE (5%) of the fastest ties:
+    2. Stage 3 on several nodes of a Machine runs as HSDP (`hybrid`, `hybrid_mesh`) when
+       that fits and is no slower: its all-gathers stay inside the node, and it sends a
+       third less over the network than flat stage 3 (the all-reduce of each rank's 1/S
+       slice of the gradients, where flat stage 3 also all-gathers across nodes twice).
+    3. Of those, every stage whose projected step is within TIE (5%) of the fastest ties:
        the projection cannot tell them apart.
-    3. Ties go to less communication (the paper's volume: 2Ψ before 3Ψ; then fewer
+    4. Ties go to less communication (the paper's volume: 2Ψ before 3Ψ; then fewer
        collectives per step: stage 0's one all-reduce per bucket before a reduce-scatter
        and an all-gather the next forward waits for), then to more headroom.
     So: stage 0 while the model fits replicated, stage 2 when it does not (it ties stage 1
-    and holds less), stage 3 when only it fits. If no stage fits in memory: stage 3 with
-    fits=False and what would fit; if some fit but none is fast enough, the fastest that fits.
+    and holds less, and sends over the network what HSDP sends, with a pass less inside the
+    node), stage 3 when only it fits, as HSDP if a node holds its states. `stages` is the
+    menu (e.g. (0, 3): what FSDP2 offers, DDP and fully_shard); it must include 3. If no
+    stage fits in memory: stage 3 with fits=False and what would fit; if some fit but none
+    is fast enough, the fastest that fits.
     """
     rows = candidates(n_params, gpu_bytes, world_size, link, compute_s, precision, optimizer,
                       activation_bytes, max_step_s, buckets=buckets, overlap=overlap,
-                      gather_after_step=gather_after_step, reserve_fraction=reserve_fraction)
+                      gather_after_step=gather_after_step, reserve_fraction=reserve_fraction,
+                      stages=stages, hybrid=hybrid)
     fitting = [r for r in rows if r["fits_memory"]]
     ok = [r for r in fitting if r["meets_time"]]
+    hsdp = [r for r in ok if r["mesh"]]
+    if hsdp:  # rule 2: stage 3 runs as HSDP, unless flat stage 3 were faster
+        ok = [r for r in ok if not (r["stage"] == 3 and r["mesh"] is None
+                                    and hsdp[0]["step_s"] <= r["step_s"] * (1 + TIE))]
+    flat3 = next(r for r in rows if r["stage"] == 3 and r["mesh"] is None)
     reserve = f"{_gib(rows[0]['reserve_bytes'])} reserve"
     if ok:
         fastest = min(r["step_s"] for r in ok)
         tied = [r for r in ok if r["step_s"] <= fastest * (1 + TIE)]
         row = min(tied, key=lambda r: (r["volume_psi"], r["collectives"], -r["headroom_bytes"]))
-        reason = (f"stage {row['stage']}: {_memory_words(row)} leave "
+        reason = (f"{_label(row)}: {_memory_words(row)} leave "
                   f"{_gib(row['headroom_bytes'])} of {_gib(gpu_bytes)} free (>= {reserve}), "
                   f"projected step {row['step_s']:.3g} s ({row['comm_share']:.1%} waiting on "
                   f"communication)")
         others = [_why_not(r, row) for r in tied if r is not row]
         if others:
             reason += "; ties within 5% with " + ", ".join(others)
-        lower = [r for r in rows[:row["stage"]] if not r["fits_memory"]]
+        lower = [r for r in rows if r["mesh"] is None and r["stage"] < row["stage"]
+                 and not r["fits_memory"]]
         if lower:
             reason += f"; stage {lower[-1]['stage']} needs {_gib(lower[-1]['per_rank_bytes'])}"
+        if row["stage"] == 3:
+            reason += _hybrid_words(row, rows)
         slow = [r for r in fitting if not r["meets_time"]]
         if slow:
-            reason += (f"; stage {slow[0]['stage']} fits but projects {slow[0]['step_s']:.3g} s "
+            reason += (f"; {_label(slow[0])} fits but projects {slow[0]['step_s']:.3g} s "
                        f"per step, over max_step_s {max_step_s:g} s")
     elif fitting:
         row = min(fitting, key=lambda r: r["step_s"])
-        reason = (f"stage {row['stage']} fits in memory ({_gib(row['per_rank_bytes'])} of "
+        reason = (f"{_label(row)} fits in memory ({_gib(row['per_rank_bytes'])} of "
                   f"{_gib(gpu_bytes)}) but its projected step {row['step_s']:.3g} s is over "
                   f"max_step_s {max_step_s:g} s, the fastest of the stages that fit; a faster "
                   f"link or fewer, larger buckets would cut the communication")
     else:
-        row = rows[3]
+        row = flat3
         reason = (f"nothing fits: stage 3 needs {_gib(row['per_rank_bytes'])} per rank "
                   f"({_memory_words(row)}) and the {reserve}, on {_gib(gpu_bytes)}")
         ranks = _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision,
@@ -421,4 +558,4 @@ def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_
                        f"to CPU (ZeRO-Offload), or {shrink}")
     return Recommendation(stage=row["stage"], fits=bool(ok), headroom_bytes=row["headroom_bytes"],
                           per_rank_bytes=row["per_rank_bytes"], step_s=row["step_s"],
-                          comm_share=row["comm_share"], reason=reason)
+                          comm_share=row["comm_share"], reason=reason, mesh=row["mesh"])
