@@ -54,6 +54,16 @@ def test_bytes_per_level_are_the_formula_exactly(reports, stage):
         assert case["levels_of_control"] == ["world"]
 
 
+def test_a_torch_device_mesh_gives_the_same_layout(reports):
+    """shard(model, 3, mesh=init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate",
+    "shard"))): its groups, the same bytes per level, equal to one process."""
+    for rep in reports:
+        case = rep["device_mesh"]
+        assert case["max_abs_diff"] < TOLERANCE
+        check_bytes_per_level(case["by_level"], case["group_numels"], *MESH)
+        assert case["by_level"] == rep["stages"]["3"]["by_level"]
+
+
 def test_the_formula_by_hand():
     """Units of 600 elements on 2 x 2 (fp32): 2 x 3 x 600 x 4 gathered inside, 3 x 600 x 4
     reduce-scattered inside, 3 x 300 x 4 all-reduced across; 7 elements pad to 8."""

@@ -62,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.collectives import exchange
+from zero_lab.collectives.chain import Chain, one_after_another
 from zero_lab.collectives.exchange import Exchange
 from zero_lab.profiling import marks
 
@@ -262,9 +263,9 @@ class FlatParamGroup:
         if self.replicate_group is None:
             return marks.collective(f"reduce-scatter / {self.label}", issue, async_op)
         # Hybrid: the slice averaged inside the group, then across the groups.
-        return _then(async_op,
-                     lambda: marks.collective(f"reduce-scatter / {self.label}", issue, True),
-                     lambda: self._across(shard_out, op))
+        return one_after_another(
+            async_op, lambda: marks.collective(f"reduce-scatter / {self.label}", issue, True),
+            lambda: self._across(shard_out, op))
 
     def all_reduce(self, buffer: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
                    async_op: bool = False) -> dist.Work | Chain | None:
@@ -272,8 +273,9 @@ class FlatParamGroup:
         reduce-scatter inside the group, all-reduce of the slice across, all-gather inside)."""
         if self.replicate_group is not None:
             piece = self.new_shard(buffer.dtype, zeroed=False)
-            return _then(async_op, lambda: self.reduce_scatter(piece, buffer, op, True),
-                         lambda: self.all_gather(buffer, piece, True))
+            return one_after_another(async_op,
+                                     lambda: self.reduce_scatter(piece, buffer, op, True),
+                                     lambda: self.all_gather(buffer, piece, True))
 
         def issue():
             if self.transport == "none":  # the buffer keeps this rank's values
@@ -296,44 +298,6 @@ class FlatParamGroup:
         return (f"FlatParamGroup({len(self.params)} params, numel={self.numel}, "
                 f"padded={self.padded_numel}, shard={self.shard_numel} x {self.world_size}, "
                 f"rank {self.rank} owns [{self.shard_start}, {self.shard_end}))")
-
-
-class Chain:
-    """Collectives that run one after another, each on the last one's result, behind one
-    handle used like `dist.Work`: the next starts once the last has finished (when the
-    handle is polled with `is_completed()` or waited on). Every rank polls and waits in the
-    same order, so every rank issues them in the same order."""
-
-    def __init__(self, steps: Sequence) -> None:
-        self._steps = list(steps)  # functions that start a collective, return its handle
-        self._work = self._steps.pop(0)()
-
-    def _advance(self, block: bool) -> bool:
-        while True:
-            if self._work is not None:
-                if not block and not self._work.is_completed():
-                    return False
-                self._work.wait()
-                self._work = None
-            if not self._steps:
-                return True
-            self._work = self._steps.pop(0)()
-
-    def is_completed(self) -> bool:
-        return self._advance(block=False)
-
-    def wait(self) -> bool:
-        return self._advance(block=True)
-
-
-def _then(async_op: bool, *steps) -> Chain | None:
-    """Run `steps` (each starts a collective, asynchronously) one after another: the Chain
-    when `async_op`, else wait for all of them here."""
-    chain = Chain(steps)
-    if async_op:
-        return chain
-    chain.wait()
-    return None
 
 
 # ---------------------------------------------------------------------- storage

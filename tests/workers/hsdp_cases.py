@@ -55,11 +55,11 @@ def _nothing_across(piece, op):
     return Exchange([])  # the across-groups all-reduce, not sent
 
 
-def ours(stage: int, rank: int, world: int, mutant: bool = False) -> dict:
-    """shard(model, stage, mesh=(2, 2)); the last step under a CommLedger. `mutant`: the
-    slices are never averaged across the groups (each group trains on its half of the
-    batch): a negative control the tests must catch."""
-    model, opt = shard(_model(SEED + rank), stage, _adam, bucket_mb=400 / 2**20, mesh=MESH)
+def ours(stage: int, rank: int, world: int, mutant: bool = False, mesh=MESH) -> dict:
+    """shard(model, stage, mesh=(2, 2)) (or the torch DeviceMesh `mesh`); the last step
+    under a CommLedger. `mutant`: the slices are never averaged across the groups (each
+    group trains on its half of the batch): a negative control the tests must catch."""
+    model, opt = shard(_model(SEED + rank), stage, _adam, bucket_mb=400 / 2**20, mesh=mesh)
     if mutant:
         for group in opt.sync.groups:
             group._across = _nothing_across
@@ -78,12 +78,16 @@ def ours(stage: int, rank: int, world: int, mutant: bool = False) -> dict:
             "levels_of_control": sorted({r.level for r in ledger.control})}
 
 
-def fsdp2(rank: int, world: int) -> dict[str, torch.Tensor]:
-    """torch's FSDP2 as HSDP: fully_shard on every Linear and on the root, on a 2-D mesh."""
+def device_mesh():
     from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh("cpu", MESH, mesh_dim_names=("replicate", "shard"))
+
+
+def fsdp2(rank: int, world: int, mesh) -> dict[str, torch.Tensor]:
+    """torch's FSDP2 as HSDP: fully_shard on every Linear and on the root, on a 2-D mesh."""
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", MESH, mesh_dim_names=("replicate", "shard"))
     model = _model(SEED)  # FSDP2 does not broadcast: every rank starts from rank 0's seed
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
@@ -118,7 +122,8 @@ def run(rank: int, world: int) -> dict:
         case["max_abs_diff"] = max((weights[k] - ref_weights[k]).abs().max().item()
                                    for k in ref_weights)
         if stage == 3:
-            theirs = fsdp2(rank, world)
+            mesh = device_mesh()
+            theirs = fsdp2(rank, world, mesh)
             case["fsdp2_keys_match"] = sorted(theirs) == sorted(weights)
             case["fsdp2_max_abs_diff"] = max((weights[k] - theirs[k]).abs().max().item()
                                              for k in theirs)
@@ -127,6 +132,12 @@ def run(rank: int, world: int) -> dict:
                 case["weights"] = {k: v.flatten().tolist() for k, v in weights.items()}
                 case["fsdp2_weights"] = {k: v.flatten().tolist() for k, v in theirs.items()}
         out["stages"][str(stage)] = case  # JSON keys are strings
+    # the same layout given as FSDP2's DeviceMesh instead of (2, 2)
+    case = ours(3, rank, world, mesh=mesh)
+    weights = case.pop("weights")
+    case["max_abs_diff"] = max((weights[k] - ref_weights[k]).abs().max().item()
+                               for k in ref_weights)
+    out["device_mesh"] = case
     mutant = ours(3, rank, world, mutant=True)
     weights = mutant.pop("weights")
     mutant["max_abs_diff"] = max((weights[k] - ref_weights[k]).abs().max().item()
