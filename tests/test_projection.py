@@ -314,10 +314,12 @@ def test_recommend_respects_a_step_time_budget():
 def test_candidates_tabulate_every_stage():
     rows = projection.candidates(PSI_7B, 80 * GiB, 64, "dgx_h100", COMPUTE_7B,
                                  activation_bytes=GiB)
-    assert [r["stage"] for r in rows] == [0, 1, 2, 3]
-    assert [r["volume_psi"] for r in rows] == [2, 2, 2, 3]
-    assert [r["collectives"] for r in rows] == [32, 64, 64, 96]
-    per_rank = [r["per_rank_bytes"] for r in rows]
+    # 64 GPUs are 8 DGX nodes: stage 3 as HSDP (8 x 8) comes last
+    assert [(r["stage"], r["mesh"]) for r in rows] == [(0, None), (1, None), (2, None),
+                                                        (3, None), (3, (8, 8))]
+    assert [r["volume_psi"] for r in rows] == [2, 2, 2, 3, 3 + 2 / 8]
+    assert [r["collectives"] for r in rows] == [32, 64, 64, 96, 128]
+    per_rank = [r["per_rank_bytes"] for r in rows[:4]]
     assert per_rank == sorted(per_rank, reverse=True)
     for r in rows:
         assert r["headroom_bytes"] == 80 * GiB - r["per_rank_bytes"]
@@ -655,3 +657,97 @@ def test_time_collective_refuses_what_the_exchange_cannot_send():
         time_collective("all_reduce", 1024, transport="direct")
     with pytest.raises(ValueError, match="transport"):
         time_collective("all_gather", 1024, transport="nccl")
+
+
+# ------------------------------------------------------------------ issue 23: hybrid sharding
+
+
+def test_hsdp_prices_its_gathers_inside_a_node_and_its_slices_across_nodes():
+    """Stage 3 on 64 DGX GPUs as 8 x 8: all-gathers and reduce-scatters on NVLink's ring of
+    8, then an all-reduce of each GPU's 1/8 slice over a ring of the 8 nodes, each GPU on its
+    own NIC; on the network it sends 2/3 of what flat stage 3 sends (2 passes of its 1/8
+    share where flat sends 3), and its step is never longer."""
+    nv, ib = projection.LINKS["nvlink4"], projection.LINKS["infiniband_ndr"]
+    b, k = 2 * PSI_7B, 32  # bf16
+    hsdp = project_step(PSI_7B, 3, 64, "dgx_h100", COMPUTE_7B, buckets=k, replicas=8)
+    flat = project_step(PSI_7B, 3, 64, "dgx_h100", COMPUTE_7B, buckets=k)
+    assert hsdp["calls"] == {"all_gather": 2 * k, "reduce_scatter": k, "all_reduce": k}
+    inside = collective_time("all_gather", b / k, 8, nv)
+    assert hsdp["comm_s"]["all_gather"] == pytest.approx(2 * k * inside)
+    across = 2 * 7 * ib.alpha + 2 * 7 / 8 * (b / k / 8) * ib.beta
+    assert hsdp["comm_s"]["all_reduce"] == pytest.approx(k * across)
+    assert hsdp["network_bytes"] == pytest.approx(2 * 7 / 8 * b / 8)
+    assert flat["network_bytes"] == pytest.approx(3 * 7 / 8 * b / 8)
+    assert hsdp["volume_psi"] == 3 + 2 / 8 and flat["volume_psi"] == 3
+    for n in (16, 64, 512):
+        for overlap in (0.0, 0.5, 1.0):
+            for compute in (1e-3, 0.1, 10.0):
+                h = project_step(PSI_7B, 3, n, "dgx_h100", compute, overlap=overlap,
+                                 replicas=n // 8)
+                f = project_step(PSI_7B, 3, n, "dgx_h100", compute, overlap=overlap)
+                assert h["comm_total_s"] < f["comm_total_s"] and h["step_s"] <= f["step_s"]
+    # one node: nothing crosses the network; a plain link: the all-reduce on that link
+    assert project_step(PSI_7B, 3, 8, "dgx_h100", 1.0)["network_bytes"] == 0
+    plain = project_step(PSI_7B, 3, 64, "infiniband_ndr", 1.0, buckets=k, replicas=8)
+    assert plain["comm_s"]["all_reduce"] == pytest.approx(
+        k * collective_time("all_reduce", b / k / 8, 8, ib))
+
+
+def test_hsdp_is_refused_where_it_is_not_stage_3_on_whole_nodes():
+    with pytest.raises(ValueError, match="replicas=2 is hybrid sharding: stage 3"):
+        project_step(PSI_7B, 2, 16, "dgx_h100", 1.0, replicas=2)
+    with pytest.raises(ValueError, match="divides"):
+        project_step(PSI_7B, 3, 16, "dgx_h100", 1.0, replicas=3)
+    with pytest.raises(ValueError, match="whole nodes"):
+        project_step(PSI_7B, 3, 64, "dgx_h100", 1.0, replicas=16)  # S = 4 GPUs of a node
+    with pytest.raises(ValueError, match="must include 3"):
+        recommend(PSI_7B, 80 * GiB, 64, "dgx_h100", 1.0, stages=(0, 1))
+    assert projection.hybrid_mesh(64, "dgx_h100") == (8, 8)
+    assert projection.hybrid_mesh(8, "dgx_h100") is None  # one node: stage 3 itself
+    assert projection.hybrid_mesh(64, "infiniband_ndr") is None  # no nodes on a Link
+
+
+def _table(stages=projection.STAGES, hybrid=True, sizes=(1.3e9, 7e9, 13e9, 28e9, 70e9),
+           gpus=(8, 64)):
+    return {(n, g): recommend(**_nb07_scenario(n, g), stages=stages, hybrid=hybrid)
+            for n in sizes for g in gpus}
+
+
+def test_the_decision_table_rows_hsdp_changes_and_why():
+    """Where HSDP is the answer on DGX H100 nodes (notebook 07's scenario), and where not.
+
+    - With FSDP2's menu (DDP or fully_shard: stages 0 and 3), 7B and 13B on 64 GPUs (8
+      nodes) run stage 3 as HSDP (8 x 8): a node holds the states (16Ψ/8), and of the
+      gradients only each GPU's 1/8 slice crosses the network: 2/3 of flat stage 3's bytes.
+    - With every stage on the menu, stage 2 ties it (the same network bytes: its
+      reduce-scatter and all-gather each cross once, on the same 1/8 share) and sends a pass
+      less inside the node: 7B and 13B stay at stage 2. HSDP takes the rows where stage 2 no
+      longer fits and a node still holds the states: 28B on 64 GPUs.
+    - 70B on 64 GPUs needs stage 3 over all 64 (HSDP would hold 16Ψ/8 = 130 GiB): flat.
+    Every other row is what it was without HSDP."""
+    before, before_fsdp2 = _table(hybrid=False), _table((0, 3), hybrid=False)
+    full, fsdp2 = _table(), _table((0, 3))
+    changed = {("all", key) for key in full if (full[key].stage, full[key].mesh)
+               != (before[key].stage, before[key].mesh)}
+    changed |= {("fsdp2", key) for key in fsdp2 if (fsdp2[key].stage, fsdp2[key].mesh)
+                != (before_fsdp2[key].stage, before_fsdp2[key].mesh)}
+    assert changed == {("all", (28e9, 64)), ("fsdp2", (7e9, 64)), ("fsdp2", (13e9, 64)),
+                       ("fsdp2", (28e9, 64))}
+    for n in (7e9, 13e9):
+        rec = fsdp2[n, 64]
+        assert rec.stage == 3 and rec.mesh == (8, 8) and rec.fits
+        assert rec.reason.startswith("stage 3 as HSDP (8 x 8): ")
+        assert "its all-gathers stay inside a node" in rec.reason
+        assert full[n, 64].stage == 2 and full[n, 64].mesh is None
+        assert "stage 3 as HSDP (8 x 8) sends 3.25Ψ" in full[n, 64].reason
+        assert fsdp2[n, 8].mesh is None  # one node: HSDP is stage 3
+    rec = full[28e9, 64]
+    assert rec.mesh == (8, 8) and "stage 2 needs" in rec.reason and before[28e9, 64].stage == 3
+    assert full[70e9, 64].mesh is None and full[70e9, 64].stage == 3
+    assert "stage 3 as HSDP (8 x 8) would need 164.0 GiB" in full[70e9, 64].reason
+    # the network bytes in the reason: 2/3 of flat stage 3's, by construction
+    rows = projection.candidates(**{k: v for k, v in _nb07_scenario(13e9, 64).items()
+                                    if k != "activations_checkpointed"}, stages=(0, 3))
+    flat, hsdp = rows[1], rows[2]
+    assert hsdp["network_bytes"] == pytest.approx(2 / 3 * flat["network_bytes"])
+    assert f"{hsdp['network_bytes'] / 1e9:.3g} GB a step over the network" in fsdp2[13e9, 64].reason

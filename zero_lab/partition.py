@@ -38,6 +38,17 @@ How the stages use it (`make_flat_groups` builds one group per bucket or unit):
                                         group.all_gather(group.flat, local)
                  after it:              free_storage(group.flat)
                  its gradients:         group.reduce_scatter(grad_slice, full_grad)
+
+Hybrid sharding (HSDP, stages/hybrid.py) lays the world out in 2-D: R groups of S ranks. A
+flat group is then sharded over the S ranks of this rank's group (`process_group`, N = S in
+everything above) and replicated across the R groups (`replicate_group`: the ranks that hold
+the same slice in the other groups). All-gathers stay inside the group; every averaging
+collective runs level by level:
+
+    reduce_scatter   inside the group (the slice, averaged over S ranks), then an all-reduce
+                     of that slice across the groups (averaged over R): the 1/S piece is all
+                     that crosses
+    all_reduce       the same, then an all-gather inside the group: a hierarchical all-reduce
 """
 
 from __future__ import annotations
@@ -51,6 +62,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.collectives import exchange
+from zero_lab.collectives.chain import Chain, one_after_another
 from zero_lab.collectives.exchange import Exchange
 from zero_lab.profiling import marks
 
@@ -101,6 +113,7 @@ class FlatParamGroup:
         names: Sequence[str] | None = None,
         process_group: dist.ProcessGroup | None = None,
         transport: str = "auto",
+        replicate_group: dist.ProcessGroup | None = None,
     ) -> None:
         params = list(params)
         if not params:
@@ -117,7 +130,9 @@ class FlatParamGroup:
         self.names = list(names) if names is not None else [f"param{i}" for i in range(len(params))]
         self.world_size = world_size
         self.rank = rank
-        self.process_group = process_group
+        self.process_group = process_group  # the ranks the group is sharded over
+        # Hybrid sharding: the ranks holding the same slice in the other groups (None: 1-D).
+        self.replicate_group = replicate_group
         self.device = params[0].device
         self.dtype = params[0].dtype
         self.shapes = [p.shape for p in params]
@@ -245,17 +260,39 @@ class FlatParamGroup:
             return dist.reduce_scatter_single(shard_out, full_in, op=op,
                                               group=self.process_group, async_op=async_op)
 
-        return marks.collective(f"reduce-scatter / {self.label}", issue, async_op)
+        if self.replicate_group is None:
+            return marks.collective(f"reduce-scatter / {self.label}", issue, async_op)
+        # Hybrid: the slice averaged inside the group, then across the groups.
+        return one_after_another(
+            async_op, lambda: marks.collective(f"reduce-scatter / {self.label}", issue, True),
+            lambda: self._across(shard_out, op))
 
     def all_reduce(self, buffer: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
-                   async_op: bool = False) -> dist.Work | None:
-        """A full buffer (gradients) reduced in place on every rank: one all-reduce."""
+                   async_op: bool = False) -> dist.Work | Chain | None:
+        """A full buffer (gradients) reduced in place on every rank: one all-reduce (hybrid:
+        reduce-scatter inside the group, all-reduce of the slice across, all-gather inside)."""
+        if self.replicate_group is not None:
+            piece = self.new_shard(buffer.dtype, zeroed=False)
+            return one_after_another(async_op,
+                                     lambda: self.reduce_scatter(piece, buffer, op, True),
+                                     lambda: self.all_gather(buffer, piece, True))
+
         def issue():
             if self.transport == "none":  # the buffer keeps this rank's values
                 return Exchange([]) if async_op else None
             return dist.all_reduce(buffer, op=op, group=self.process_group, async_op=async_op)
 
         return marks.collective(f"all-reduce / {self.label}", issue, async_op)
+
+    def _across(self, piece: torch.Tensor, op: dist.ReduceOp.RedOpType):
+        """Hybrid sharding's second level: this rank's slice reduced with the same slice of
+        the other groups (an all-reduce over `replicate_group`), asynchronously."""
+        def issue():
+            if self.transport == "none":
+                return Exchange([])
+            return dist.all_reduce(piece, op=op, group=self.replicate_group, async_op=True)
+
+        return marks.collective(f"all-reduce across groups / {self.label}", issue, True)
 
     def __repr__(self) -> str:
         return (f"FlatParamGroup({len(self.params)} params, numel={self.numel}, "
@@ -326,7 +363,7 @@ def make_flat_groups(
     named_params: Sequence[tuple[str, nn.Parameter]], bucket_bytes: float,
     *, element_size: int | None = None, first_bucket_bytes: float | None = None,
     src: int | None = 0, process_group: dist.ProcessGroup | None = None,
-    transport: str = "auto",
+    transport: str = "auto", replicate_group: dist.ProcessGroup | None = None,
 ) -> list[FlatParamGroup]:
     """Bucket `named_params` (reverse registration order: see `bucket_parameters`) into flat
     groups whose buffers the parameters then view; with `src`, every rank starts from rank
@@ -341,10 +378,11 @@ def make_flat_groups(
                                     first_bucket_bytes=first_bucket_bytes):
         bucket = bucket[::-1]
         group = FlatParamGroup([p for _, p in bucket], world, rank, [n for n, _ in bucket],
-                               process_group, transport)
+                               process_group, transport, replicate_group)
         flat = group.flatten()
         if src is not None:
-            dist.broadcast(flat, src=src, group=process_group)
+            dist.broadcast(flat, src=src,
+                           group=process_group if replicate_group is None else None)
         group.bind(flat)
         group.label = f"bucket {len(groups)}"
         groups.append(group)

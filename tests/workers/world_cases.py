@@ -1,5 +1,5 @@
-"""One launch per world size for three case workers: the collectives (N > 1), stages 0-2
-and stage 3 cases, each reported under its own key.
+"""One launch per world size for the case workers: the collectives (N > 1), stages 0-2,
+stage 3 and hybrid sharding (N = 4) cases, each reported under its own key.
 
 A launch costs seconds before a rank runs anything (torchrun's agent and every rank import
 torch; 8-12 s at N = 4 on two cores): sharing it saves two of every three. The parts run in
@@ -7,7 +7,8 @@ turn in one process group and keep their own random seeds, so each computes what
 alone. A part that raises fails the launch, and with it every test of that world size, with
 its rank's traceback (catching it would leave the other ranks waiting in a collective).
 
-    {"collectives": ..., "stages": ..., "zero3": ...}   read by tests/common.py case_reports
+    {"collectives": ..., "stages": ..., "zero3": ..., "hsdp": ...}   read by tests/common.py
+                                                                  case_reports
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import gc
 
 import accumulation_cases
 import collectives_cases
+import hsdp_cases
 import recompute_cases
 import stage_cases
 import zero3_cases
@@ -28,6 +30,7 @@ PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs 
     "zero3": (zero3_cases.run, 1),
     "recompute": (recompute_cases.run, 2),  # and the precision policy; N = 2 and 4 only
     "accumulation": (accumulation_cases.run, 2),
+    "hsdp": (hsdp_cases.run, 4),  # hybrid sharding on a 2 x 2 mesh
 }
 
 

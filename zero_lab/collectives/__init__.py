@@ -1,7 +1,7 @@
 """Collectives from first principles: ring algorithms, a byte ledger, a cost model, and the
 direct exchange the stages send on gloo.
 
-Every ZeRO stage is a choice of *which collective moves which bytes when*. The four modules,
+Every ZeRO stage is a choice of *which collective moves which bytes when*. The modules,
 in reading order:
 
     ring.py        reduce-scatter, all-gather and all-reduce on isend/irecv only (notebook 02)
@@ -10,6 +10,8 @@ in reading order:
     ledger.py      CommLedger: records every collective a block issues, with its bytes
     exchange.py    reduce-scatter and all-gather as one round of point-to-point messages:
                    what the stages send on gloo, whose own reduce-scatter is an all-reduce
+    chain.py       collectives run one after another behind one handle (hybrid sharding's
+                   reduce-scatter inside a group, then all-reduce across the groups)
 
 The names below are re-exported, so `from zero_lab.collectives import CommLedger` works.
 """

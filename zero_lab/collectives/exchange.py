@@ -113,7 +113,7 @@ def reduce_scatter(output: torch.Tensor, input: torch.Tensor,
         if op == dist.ReduceOp.AVG:
             output.div_(n)
 
-    with recorded_as("reduce_scatter", input, group_size=n, async_op=async_op):
+    with recorded_as("reduce_scatter", input, group_size=n, async_op=async_op, group=group):
         work = Exchange(_exchange({p: chunks[p] for p in peers}, received, group), finish)
     if async_op:
         return work
@@ -132,7 +132,7 @@ def all_gather(output: torch.Tensor, input: torch.Tensor,
     if mine.data_ptr() != input.data_ptr():
         mine.copy_(input.view(-1))
     peers = [p for p in range(n) if p != rank]
-    with recorded_as("all_gather", output, group_size=n, async_op=async_op):
+    with recorded_as("all_gather", output, group_size=n, async_op=async_op, group=group):
         work = Exchange(_exchange({p: mine for p in peers}, {p: chunks[p] for p in peers},
                                   group))
     if async_op:

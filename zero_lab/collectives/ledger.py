@@ -44,6 +44,10 @@ class CommRecord:
     async_op: bool
     in_backward: bool
     torch_op: str
+    # Which level of a 2-D layout (hybrid sharding, stages/hybrid.py) the collective ran on:
+    # "shard" (inside a group of ranks), "replicate" (across the groups), or "world" (the
+    # whole world, or a process group nobody named with `name_level`).
+    level: str = "world"
 
 
 class CommLedger(TorchDispatchMode):
@@ -111,24 +115,35 @@ class CommLedger(TorchDispatchMode):
         return func(*args, **kwargs)
 
     # ------------------------------------------------------------------ queries
-    def _select(self, op: str | None) -> list[CommRecord]:
-        return [r for r in self.records if op is None or r.op == op]
+    def _select(self, op: str | None, level: str | None = None) -> list[CommRecord]:
+        return [r for r in self.records
+                if (op is None or r.op == op) and (level is None or r.level == level)]
 
-    def count(self, op: str | None = None) -> int:
-        """Number of records of `op` (every record when None)."""
-        return len(self._select(op))
+    def count(self, op: str | None = None, level: str | None = None) -> int:
+        """Number of records of `op` (every record when None), on `level` (any when None)."""
+        return len(self._select(op, level))
 
-    def total_bytes(self, op: str | None = None) -> float:
-        """Bytes this rank sends under the ring algorithm, summed over `op` (all when None)."""
-        return sum(r.sent_bytes for r in self._select(op))
+    def total_bytes(self, op: str | None = None, level: str | None = None) -> float:
+        """Bytes this rank sends under the ring algorithm, summed over `op` (all when None)
+        on `level` (any when None: "shard", "replicate" or "world", see CommRecord)."""
+        return sum(r.sent_bytes for r in self._select(op, level))
 
-    def volume(self, op: str | None = None) -> int:
+    def volume(self, op: str | None = None, level: str | None = None) -> int:
         """ZeRO-paper volume summed over `op`: all-reduce 2 x nbytes, others 1 x nbytes."""
-        return sum(r.volume for r in self._select(op))
+        return sum(r.volume for r in self._select(op, level))
 
-    def payload_bytes(self, op: str | None = None) -> int:
+    def payload_bytes(self, op: str | None = None, level: str | None = None) -> int:
         """Sum of the records' full message sizes (`nbytes`)."""
-        return sum(r.nbytes for r in self._select(op))
+        return sum(r.nbytes for r in self._select(op, level))
+
+    def by_level(self) -> dict[str, dict[str, int]]:
+        """{level: {op: payload bytes}}: what a 2-D layout sent inside its groups ("shard")
+        and across them ("replicate"), op by op (hybrid sharding, stages/hybrid.py)."""
+        out: dict[str, dict[str, int]] = {}
+        for r in self.records:
+            ops = out.setdefault(r.level, {})
+            ops[r.op] = ops.get(r.op, 0) + r.nbytes
+        return out
 
     def summary(self) -> dict[str, dict[str, float]]:
         """{op: {"count", "nbytes", "sent_bytes", "volume"}} in the order ops first appeared."""
@@ -232,6 +247,30 @@ def _group_size(bound: dict) -> int:
     return dist.get_world_size() if dist.is_initialized() else 1
 
 
+# Process groups named as a level of a 2-D layout: {group_name: "shard" | "replicate"}.
+_LEVELS: dict[str, str] = {}
+
+
+def name_level(group: dist.ProcessGroup, level: str) -> None:
+    """Record the collectives of `group` as run on `level` ("shard": inside a group of ranks,
+    "replicate": across the groups) from now on; stages/hybrid.py names its groups so."""
+    _LEVELS[group.group_name] = level
+
+
+def _level(bound: dict) -> str:
+    """The level of the op's process group (see `name_level`), "world" if none was named."""
+    if not _LEVELS:
+        return "world"
+    try:
+        if "process_group" in bound:
+            return _LEVELS.get(dist.ProcessGroup.unbox(bound["process_group"]).group_name,
+                               "world")
+        name = bound.get("group_name")
+        return _LEVELS.get(name if isinstance(name, str) else name.group_name, "world")
+    except (RuntimeError, TypeError, AttributeError, ValueError):
+        return "world"
+
+
 def _describe(func, args: tuple, kwargs: dict) -> list[CommRecord]:
     """Turn one dispatcher call into ledger records (none for wait_tensor and friends)."""
     schema = func._schema
@@ -245,7 +284,8 @@ def _describe(func, args: tuple, kwargs: dict) -> list[CommRecord]:
     if name == "_c10d_functional::batch_p2p_ops":  # a batch of isend/irecv: one record each
         n = _group_size(bound)
         return [
-            _record("send" if "send" in kind else "recv", [t], n, True, in_backward, name)
+            _record("send" if "send" in kind else "recv", [t], n, True, in_backward, name,
+                    level=_level(bound))
             for kind, t in zip(bound["op_list"], bound["tensors"], strict=False)
         ]
     if name not in _C10D_OPS:
@@ -254,31 +294,35 @@ def _describe(func, args: tuple, kwargs: dict) -> list[CommRecord]:
     n = _group_size(bound)
     arg, _, times_n = where.partition("*")
     tensors = _flat_tensors(bound.get(arg)) if arg else []
-    return [_record(op, tensors, n, async_op, in_backward, name, n if times_n else 1)]
+    return [_record(op, tensors, n, async_op, in_backward, name, n if times_n else 1,
+                    _level(bound))]
 
 
-def _record(op, tensors, world_size, async_op, in_backward, torch_op, times=1) -> CommRecord:
+def _record(op, tensors, world_size, async_op, in_backward, torch_op, times=1,
+            level="world") -> CommRecord:
     numel = times * sum(t.numel() for t in tensors)
     nbytes = times * sum(t.numel() * t.element_size() for t in tensors)
     dtype = str(tensors[0].dtype).removeprefix("torch.") if tensors else "-"
     return CommRecord(op=op, numel=numel, dtype=dtype, nbytes=nbytes, world_size=world_size,
                       sent_bytes=ring_bytes_sent(op, nbytes, world_size),
                       volume=zero_volume(op, nbytes), async_op=async_op,
-                      in_backward=in_backward, torch_op=torch_op)
+                      in_backward=in_backward, torch_op=torch_op, level=level)
 
 
 _ACTIVE_LEDGERS: list[CommLedger] = []  # the ledgers whose `with` block is running
 
 
 def recorded_as(op: str, tensor: torch.Tensor, group_size: int,
-                async_op: bool = False) -> contextlib.AbstractContextManager:
+                async_op: bool = False, group: dist.ProcessGroup | None = None
+                ) -> contextlib.AbstractContextManager:
     """Inside the block, active ledgers record one `op` on `tensor` (the full message in
     nccl-tests' sense, as in `CommRecord`) and ignore the point-to-point messages that
     implement it: `zero_lab.collectives.exchange` sends a reduce-scatter as 2(N-1)
     isend/irecv, which should read as the reduce-scatter it is, with the same bytes sent
-    per rank."""
+    per rank. `group`: the process group it runs on, for its level (`name_level`)."""
+    level = _LEVELS.get(group.group_name, "world") if group is not None else "world"
     return _noted_once("records", op, tensor, group_size, async_op,
-                       "zero_lab.collectives.exchange")
+                       "zero_lab.collectives.exchange", level)
 
 
 def control_message(op: str, tensor: torch.Tensor, group_size: int,
@@ -292,13 +336,13 @@ def control_message(op: str, tensor: torch.Tensor, group_size: int,
 
 @contextmanager
 def _noted_once(where: str, op: str, tensor: torch.Tensor, group_size: int, async_op: bool,
-                source: str) -> Iterator[None]:
+                source: str, level: str = "world") -> Iterator[None]:
     """Active ledgers note one `op` in `ledger.<where>` and ignore what the block issues."""
     in_backward = torch._C._current_graph_task_id() != -1
     ledgers = list(_ACTIVE_LEDGERS)
     for ledger in ledgers:
         getattr(ledger, where).append(_record(op, [tensor], group_size, async_op, in_backward,
-                                              source))
+                                              source, level=level))
         ledger._muted += 1
     try:
         yield

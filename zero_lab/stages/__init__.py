@@ -47,6 +47,7 @@ from zero_lab.stages.agreement import check_ranks_agree
 from zero_lab.stages.buffers import BufferSync
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
+from zero_lab.stages.hybrid import make_mesh, mesh_shape
 from zero_lab.stages.loading import route_loading
 from zero_lab.stages.lockstep import Lockstep
 from zero_lab.stages.mixed_precision import (
@@ -105,6 +106,7 @@ def shard(
     reduce_dtype: torch.dtype | None = None,
     grad_accumulation: str = "sharded",
     reshard_after_forward: bool = True,
+    mesh=None,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
@@ -150,7 +152,13 @@ def shard(
     (a full gradient held until the backward that sends: one reduce-scatter per step).
     `reshard_after_forward` (stage 3, FSDP2's name): False keeps each unit gathered from its
     forward to its backward, and across micro-batches under no_sync (2Ψ per step instead of
-    3Ψ, full parameters resident; zero3.py). Needs an initialised default
+    3Ψ, full parameters resident; zero3.py).
+    `mesh=(R, S)` (or a 2-D torch
+    DeviceMesh, dimensions (replicate, shard), as FSDP2's `fully_shard(model, mesh=...)`
+    takes): hybrid sharding (hybrid.py), R groups of S ranks, sharded inside a group and
+    replicated across the groups; all-gathers stay inside a group, gradients are
+    reduce-scattered inside it and their slices all-reduced across; the CommLedger records
+    each collective's level. Needs an initialised default
     process group; call it on every rank: the ranks first check they were all given the
     same model and settings (one small all-gather), and refuse together if not.
     """
@@ -163,7 +171,12 @@ def shard(
         raise TypeError(f"check_lockstep must be True or False, got {check_lockstep!r}")
     check_checkpoint_activations(checkpoint_activations)
     check_policy(precision, keep_fp32, reduce_dtype)
+    if mesh is not None and find_unused_parameters:
+        raise ValueError("find_unused_parameters=True is not supported with a mesh yet: the "
+                         "ranks would agree on which parameters have gradients inside their "
+                         "group only")
     _check_model(model)
+    shape = mesh_shape(mesh) if mesh is not None else None  # checked: no group made yet
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -178,7 +191,10 @@ def shard(
                        keep_fp32=[c.__qualname__ for c in keep_fp32],
                        reduce_dtype=str(reduce_dtype),
                        grad_accumulation=grad_accumulation,
-                       reshard_after_forward=reshard_after_forward)
+                       reshard_after_forward=reshard_after_forward,
+                       mesh=None if shape is None else list(shape))
+    # The ranks agree on the layout: every rank makes the same process groups, in order.
+    layout = make_mesh(mesh) if mesh is not None else None
     compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
     kept = kept_parameter_ids(model, keep_fp32)  # parameters the policy keeps in fp32
 
@@ -189,7 +205,7 @@ def shard(
     if stage == 3:
         units, masters = make_units(model, unit_classes, transport, compute_dtype,
                                     replicate_root=root_params == "replicate",
-                                    keep_fp32=keep_fp32)
+                                    keep_fp32=keep_fp32, mesh=layout)
         groups = [unit.group for unit in units]
     else:
         element_size = compute_dtype.itemsize if compute_dtype else 4  # of the gradients
@@ -200,7 +216,8 @@ def shard(
                       ([(n, p) for n, p in trainable if id(p) in kept], 4)) if params
                   for group in make_flat_groups(params[::-1], bucket_mb * 2**20,
                                                 element_size=size, transport=transport,
-                                                first_bucket_bytes=FIRST_BUCKET_MB * 2**20)]
+                                                first_bucket_bytes=FIRST_BUCKET_MB * 2**20,
+                                                **_levels(layout))]
         masters = []
         if compute_dtype:
             # fp32 masters of what this rank updates, taken before anything is rounded; a
@@ -243,8 +260,9 @@ def shard(
     else:
         sync = DataParallel(groups, find_unused_parameters=unused)
     sync.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
-    # Nothing is sent with transport="none" (a compute-only twin), so nothing to check.
-    sync.lockstep = Lockstep(groups[0].process_group, groups[0].device,
+    # Nothing is sent with transport="none" (a compute-only twin), so nothing to check. The
+    # whole world checks (with a mesh, the groups' process groups hold only some ranks).
+    sync.lockstep = Lockstep(None, groups[0].device,
                              enabled=check_lockstep and transport != "none")
     opt = ShardedOptimizer(sync, plan, masters or None)
     setattr(model, SHARDED_ATTR, opt)
@@ -265,6 +283,13 @@ def shard(
     # Recompute (recompute.py) last: the modules' forwards are wrapped, their hooks untouched.
     apply_recompute(model, checkpoint_activations, unit_classes)
     return model, opt
+
+
+def _levels(layout) -> dict:
+    """make_flat_groups' process groups for a hybrid layout (none for the 1-D world)."""
+    if layout is None:
+        return {}
+    return {"process_group": layout.shard_group, "replicate_group": layout.replicate_group}
 
 
 def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:

@@ -267,8 +267,9 @@ class ShardedOptimizer(torch.optim.Optimizer):
             return norms.max() if inf else norms.pow(norm_type).sum()
 
         total_sliced, total_whole = part(sliced), part(whole)
-        if self.sync.sharded:
-            dist.all_reduce(total_sliced, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM)
+        if self.sync.sharded:  # over the ranks sharing the slices (with a mesh: one group)
+            dist.all_reduce(total_sliced, op=dist.ReduceOp.MAX if inf else dist.ReduceOp.SUM,
+                            group=self.sync.groups[0].process_group)
         total = (torch.maximum(total_sliced, total_whole) if inf
                  else (total_sliced + total_whole).pow(1.0 / norm_type))
         if error_if_nonfinite and not torch.isfinite(total):

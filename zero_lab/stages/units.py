@@ -20,6 +20,7 @@ from torch import nn
 
 from zero_lab.partition import FlatParamGroup, allocate_storage, free_storage
 from zero_lab.stages.at_rest import label, rest, wake
+from zero_lab.stages.hybrid import HybridMesh
 from zero_lab.stages.mixed_precision import kept_parameter_ids
 
 # Modules that only hold other modules: their children are the units, not they.
@@ -216,7 +217,8 @@ class Unit:
 
 def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport: str,
                compute_dtype: torch.dtype | None = None, replicate_root: bool = False,
-               keep_fp32: Sequence[type] = ()) -> tuple[list[Unit], list[torch.Tensor]]:
+               keep_fp32: Sequence[type] = (), mesh: HybridMesh | None = None,
+               ) -> tuple[list[Unit], list[torch.Tensor]]:
     """Cut `model` into units (units.py) and shard each: returns (units, fp32 slices).
 
     Every rank starts from rank 0's parameters (one broadcast per unit) and keeps only its
@@ -225,15 +227,21 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
     slices, and so the all-gathers and reduce-scatters, are in that dtype, and the fp32
     slices returned are the masters the optimizer steps; without, the list is empty. Modules
     of the classes in `keep_fp32` are units of their own that stay fp32 (their slice is its
-    own master), as FSDP2's fully_shard call with an fp32 policy on a norm.
+    own master), as FSDP2's fully_shard call with an fp32 policy on a norm. With a
+    `mesh` (hybrid.py), each unit is sharded over this rank's shard group and replicated
+    across its replicate group.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
+    groups = {}
+    if mesh is not None:
+        world, rank = mesh.shards, mesh.shard_rank
+        groups = {"process_group": mesh.shard_group, "replicate_group": mesh.replicate_group}
     units, masters = [], []
     kept = kept_parameter_ids(model, keep_fp32)
     for name, module, named in plan_units(model, unit_classes, also=keep_fp32):
         params = [p for _, p in named]
         names = [n for n, _ in named]
-        group = FlatParamGroup(params, world, rank, names, transport=transport)
+        group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
         flat = group.flatten()
         dist.broadcast(flat, src=0)  # every rank starts from rank 0's parameters
         whole = replicate_root and module is model
@@ -249,7 +257,7 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
             local = local.to(compute_dtype)
             for p in params:  # the same layout, in the compute dtype
                 p.data = p.data.to(compute_dtype)
-            group = FlatParamGroup(params, world, rank, names, transport=transport)
+            group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
         del flat
         group.label = f"unit {len(units)}"  # its collectives' names in a profiler trace
         units.append(Unit(name, module, group, local, replicated=whole))
