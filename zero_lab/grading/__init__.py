@@ -16,6 +16,7 @@ reference solution fenced by `### BEGIN SOLUTION` / `### END SOLUTION`; the next
     nb05_zero3.py       stage 3: materialize/release, the post-backward reduce-scatter (3 ranks)
     nb06_profiler.py    reading a trace: exposed communication, the most exposed unit
     nb07_scaling.py     choosing a stage and a world size for a model and a cluster
+    nb08_knobs.py       bytes per optimizer step under accumulation; HSDP's bytes per level
 
 This is the parent side: it starts the rank scripts in zero_lab/workers/, never imports them;
 what both sides need (GradBucket, BareUnit) lives in `zero_lab.exercises`.
@@ -33,6 +34,7 @@ from zero_lab.grading.nb04_zero2 import check_bucket_hook
 from zero_lab.grading.nb05_zero3 import check_materialize_release, check_post_backward
 from zero_lab.grading.nb06_profiler import check_exposed_communication, check_most_exposed_unit
 from zero_lab.grading.nb07_scaling import check_stage_choice
+from zero_lab.grading.nb08_knobs import check_accumulation_bytes, check_hsdp_bytes
 from zero_lab.grading.student import (
     BEGIN_MARK,
     END_MARK,
@@ -47,9 +49,11 @@ __all__ = [
     "END_MARK",
     "Case",
     "ExerciseFailed",
+    "check_accumulation_bytes",
     "check_bucket_hook",
     "check_bytes_per_param",
     "check_exposed_communication",
+    "check_hsdp_bytes",
     "check_largest_model",
     "check_materialize_release",
     "check_most_exposed_unit",

@@ -48,7 +48,7 @@ RUNS = [
 ]
 
 
-def parse_args() -> argparse.Namespace:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--depth", type=int, default=4)
@@ -57,7 +57,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8])
     # stages 0-2's flat groups (a few per model, as DDP's 25 MB buckets are on a large one)
     parser.add_argument("--bucket-kb", type=float, default=16.0)
-    return parser.parse_args()
+    return parser.parse_args(argv)
 
 
 def adam(params):
@@ -120,10 +120,9 @@ def run(args, label, stage, mode, reshard, k, batches, ref, device) -> dict:
     }
 
 
-def main() -> None:
-    args = parse_args()
-    info = init_worker()
-
+def measure(args, info) -> dict:
+    """Every run of RUNS at every k of `args.ks`: {"runs": [...], "world_size"} (see above).
+    notebook 08's knobs_demo.py calls it beside the recompute runs, in the same launch."""
     def batches(step: int, k: int):  # this rank's rows of global batch `step`, in k parts
         mine = rank_slice(mlp_batch(step, args.batch, args.width, device=info.device),
                           info.rank, info.world_size)
@@ -138,7 +137,12 @@ def main() -> None:
         worst = max(r["max_abs_diff"] for r in runs[-len(RUNS):])
         print(f"k = {k}: {len(RUNS)} runs in {time.perf_counter() - start:.1f} s, "
               f"weights within {worst:.1e} of one process")
-    report({"runs": runs, "world_size": info.world_size})
+    return {"runs": runs, "world_size": info.world_size}
+
+
+def main() -> None:
+    args = parse_args()
+    report(measure(args, init_worker()))
 
 
 if __name__ == "__main__":

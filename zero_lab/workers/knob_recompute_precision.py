@@ -2,6 +2,9 @@
 
     torchrun(WORKERS / "knob_recompute_precision.py", nproc=2, args=["--steps", 4])
 
+(notebook 08 runs `recompute_runs` and `precision_runs` from workers/knobs_demo.py, in the
+launch that also measures accumulation.)
+
 Recompute. A GPT of `--layers` blocks trains at stages 0-3 with `checkpoint_activations`
 off and on (Adam, the same global batch per step, split over the ranks). Per (stage,
 recompute): the step's peak memory (zero_lab.measured.PeakMemory, last step), the model
@@ -34,17 +37,19 @@ from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 
-parser = argparse.ArgumentParser()
-parser.add_argument("--steps", type=int, default=4)
-parser.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks")
-parser.add_argument("--seq", type=int, default=64)
-parser.add_argument("--width", type=int, default=64)
-parser.add_argument("--layers", type=int, default=4)
-parser.add_argument("--vocab", type=int, default=64)
-parser.add_argument("--policy-stage", type=int, default=3)
-args = parser.parse_args()
-info = init_worker()
-rank, n = info.rank, info.world_size
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--batch", type=int, default=8, help="global batch, split over the ranks")
+    parser.add_argument("--seq", type=int, default=64)
+    parser.add_argument("--width", type=int, default=64)
+    parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--vocab", type=int, default=64)
+    parser.add_argument("--policy-stage", type=int, default=3)
+    return parser.parse_args(argv)
+
+
 SEED = 7
 
 RECIPES = {
@@ -55,18 +60,23 @@ RECIPES = {
 }
 
 
-def make_model() -> nn.Module:
-    torch.manual_seed(SEED)
-    return W.TinyGPT(vocab_size=args.vocab, seq_len=args.seq, d_model=args.width,
-                     n_heads=4, n_layers=args.layers, bias=False)
+class Setup:
+    """The model, the batches and this rank's place: what every run below starts from."""
 
+    def __init__(self, args: argparse.Namespace, rank: int, world_size: int) -> None:
+        self.args, self.rank, self.n = args, rank, world_size
 
-def global_batch(step: int):
-    return W.gpt_batch(step, args.batch, args.seq, args.vocab)
+    def model(self) -> nn.Module:
+        a = self.args
+        torch.manual_seed(SEED)
+        return W.TinyGPT(vocab_size=a.vocab, seq_len=a.seq, d_model=a.width, n_heads=4,
+                         n_layers=a.layers, bias=False)
 
+    def global_batch(self, step: int):
+        return W.gpt_batch(step, self.args.batch, self.args.seq, self.args.vocab)
 
-def local_batch(step: int):
-    return W.rank_slice(global_batch(step), rank, n)
+    def local_batch(self, step: int):
+        return W.rank_slice(self.global_batch(step), self.rank, self.n)
 
 
 def adam(params):
@@ -80,9 +90,9 @@ def digest(state: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()
 
 
-def ledger_step(model, opt) -> list[list]:
+def ledger_step(setup: Setup, model, opt) -> list[list]:
     with CommLedger() as ledger:
-        W.next_token_loss(model, local_batch(args.steps)).backward()
+        W.next_token_loss(model, setup.local_batch(setup.args.steps)).backward()
         opt.step()
         opt.zero_grad()
     return sorted([r.op, r.dtype, r.numel] for r in ledger.records)
@@ -94,25 +104,26 @@ def layout(sync) -> list[dict]:
              "replicated": sync.replicated[i]} for i, g in enumerate(sync.groups)]
 
 
-def recompute_run(stage: int, recompute: bool) -> dict:
-    model, opt = shard(make_model(), stage, adam, checkpoint_activations=recompute)
-    res = W.train(model, opt, local_batch, W.next_token_loss, args.steps)
+def recompute_run(setup: Setup, stage: int, recompute: bool) -> dict:
+    model, opt = shard(setup.model(), stage, adam, checkpoint_activations=recompute)
+    res = W.train(model, opt, setup.local_batch, W.next_token_loss, setup.args.steps)
     return {"stage": stage, "recompute": recompute, "peak_bytes": res["peak_bytes"],
             "held_bytes": res["held_after_step"]["total"], "step_times": res["step_times"],
             "digest": digest(full_state_dict(model)), "groups": layout(opt.sync),
-            "ledger": ledger_step(model, opt)}
+            "ledger": ledger_step(setup, model, opt)}
 
 
-def one_process(recipe: str | None) -> dict[str, torch.Tensor]:
+def one_process(setup: Setup, recipe: str | None) -> dict[str, torch.Tensor]:
     """Weights after the same steps in one process on the global batch: fp32 (None), or
     the recipe's mixed precision."""
-    model = make_model()
+    model = setup.model()
     if recipe is None:
         opt = adam(list(model.parameters()))
     else:
         model, opt = mixed_precision_reference(model, adam, torch.bfloat16,
                                                keep_fp32=RECIPES[recipe].get("keep_fp32", ()))
-    W.train(model, opt, global_batch, W.next_token_loss, args.steps, measure_memory=False)
+    W.train(model, opt, setup.global_batch, W.next_token_loss, setup.args.steps,
+            measure_memory=False)
     return full_state_dict(model) if recipe is None else opt.full_state_dict(model)
 
 
@@ -120,11 +131,11 @@ def distance(a: dict, b: dict) -> float:
     return max((a[k].float() - b[k].float()).abs().max().item() for k in b)
 
 
-def precision_run(recipe: str, fp32: dict) -> dict:
-    model, opt = shard(make_model(), args.policy_stage, adam, precision="bf16",
-                       **RECIPES[recipe])
-    res = W.train(model, opt, local_batch, W.next_token_loss, args.steps)
-    reference = one_process(recipe)
+def precision_run(setup: Setup, recipe: str, fp32: dict) -> dict:
+    stage = setup.args.policy_stage
+    model, opt = shard(setup.model(), stage, adam, precision="bf16", **RECIPES[recipe])
+    res = W.train(model, opt, setup.local_batch, W.next_token_loss, setup.args.steps)
+    reference = one_process(setup, recipe)
     seen: dict[str, list[str]] = {}
 
     def look(name, module, inputs) -> None:
@@ -133,21 +144,39 @@ def precision_run(recipe: str, fp32: dict) -> dict:
     hooks = [m.register_forward_pre_hook(partial(look, name))
              for name, m in model.named_modules() if isinstance(m, (nn.LayerNorm, nn.Linear))]
     weights = full_state_dict(model)
-    ledger = ledger_step(model, opt)
+    ledger = ledger_step(setup, model, opt)
     for h in hooks:
         h.remove()
-    return {"recipe": recipe, "stage": args.policy_stage,
+    return {"recipe": recipe, "stage": stage,
             "from_reference": distance(weights, reference),
             "reference_from_fp32": distance(reference, fp32),
-            "held_bytes": res["held_after_step"]["total"], "step_times": res["step_times"],
-            "groups": layout(opt.sync), "ledger": ledger, "seen": seen}
+            "held_bytes": res["held_after_step"]["total"], "peak_bytes": res["peak_bytes"],
+            "step_times": res["step_times"], "groups": layout(opt.sync), "ledger": ledger,
+            "seen": seen}
 
 
-recompute = [recompute_run(s, r) for s in (0, 1, 2, 3) for r in (False, True)]
-fp32_weights = one_process(None)
-precision = [precision_run(name, fp32_weights) for name in RECIPES]
-if rank == 0:
+def recompute_runs(args: argparse.Namespace, rank: int, world_size: int) -> list[dict]:
+    """Stages 0-3, recompute off and on."""
+    setup = Setup(args, rank, world_size)
+    return [recompute_run(setup, s, r) for s in (0, 1, 2, 3) for r in (False, True)]
+
+
+def precision_runs(args: argparse.Namespace, rank: int, world_size: int) -> list[dict]:
+    """The four recipes at stage `args.policy_stage`."""
+    setup = Setup(args, rank, world_size)
+    fp32_weights = one_process(setup, None)
+    return [precision_run(setup, name, fp32_weights) for name in RECIPES]
+
+
+def main() -> None:
+    args = parse_args()
+    info = init_worker()
+    rank, n = info.rank, info.world_size
+    recompute = recompute_runs(args, rank, n)
+    precision = precision_runs(args, rank, n)
     report({"world_size": n, "args": vars(args), "recompute": recompute,
-            "precision": precision})
-else:
-    report({})
+            "precision": precision} if rank == 0 else {})
+
+
+if __name__ == "__main__":
+    main()
