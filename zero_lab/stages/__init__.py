@@ -32,7 +32,6 @@ which knows the flat groups and the fp32 masters).
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -40,8 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.memory import PRECISIONS
-from zero_lab.partition import TRANSPORTS, make_flat_groups
+from zero_lab.partition import make_flat_groups
 from zero_lab.stages.accumulation import check_accumulation_arguments, install_no_sync
 from zero_lab.stages.agreement import check_ranks_agree
 from zero_lab.stages.buffers import BufferSync
@@ -59,6 +57,7 @@ from zero_lab.stages.mixed_precision import (
 )
 from zero_lab.stages.recompute import apply_recompute, check_checkpoint_activations
 from zero_lab.stages.recompute import describe as describe_recompute
+from zero_lab.stages.refusals import SHARDED_ATTR, check_arguments, check_model
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
     make_plan,
@@ -66,7 +65,6 @@ from zero_lab.stages.sharded_optimizer import (
 )
 from zero_lab.stages.torch_clipping import route_torch_clipping
 from zero_lab.stages.units import make_units
-from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
 from zero_lab.stages.zero1 import Zero1, ZeroRedundancyOptimizer
 from zero_lab.stages.zero2 import Zero2
 from zero_lab.stages.zero3 import Zero3
@@ -74,9 +72,6 @@ from zero_lab.stages.zero3 import Zero3
 __all__ = ["shard", "full_state_dict", "ShardedOptimizer", "ZeroRedundancyOptimizer",
            "DataParallel", "Zero1", "Zero2", "Zero3"]
 
-STAGES = (0, 1, 2, 3)
-ROOT_PARAMS = ("shard", "replicate")  # stage 3: what becomes of parameters no unit claims
-SHARDED_ATTR = "_zero_lab_sharded"  # set on a sharded model: the object behind full_state_dict
 BUFFERS_ATTR = "_zero_lab_buffer_sync"  # its BufferSync, with broadcast_buffers=True
 FIRST_BUCKET_MB = 1.0  # as torch's DDP: a small first bucket starts communicating early
 
@@ -162,7 +157,7 @@ def shard(
     process group; call it on every rank: the ranks first check they were all given the
     same model and settings (one small all-gather), and refuse together if not.
     """
-    _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
+    check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
                      unit_classes, find_unused_parameters, check_order, root_params)
     check_accumulation_arguments(stage, grad_accumulation, reshard_after_forward)
     if not isinstance(broadcast_buffers, bool):
@@ -175,7 +170,7 @@ def shard(
         raise ValueError("find_unused_parameters=True is not supported with a mesh yet: the "
                          "ranks would agree on which parameters have gradients inside their "
                          "group only")
-    _check_model(model)
+    check_model(model)
     shape = mesh_shape(mesh) if mesh is not None else None  # checked: no group made yet
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
@@ -314,44 +309,6 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     return owner.full_state_dict(model)
 
 
-# --------------------------------------------------------------------------- refusals
-
-
-def _check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
-                     unit_classes, find_unused_parameters, check_order, root_params) -> None:
-    if type(stage) is not int or stage not in STAGES:  # not True, not 1.0
-        raise ValueError(f"stage must be one of the ints {STAGES}, got {stage!r}")
-    if precision not in PRECISIONS:
-        raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float))
-            or not math.isfinite(bucket_mb) or bucket_mb <= 0):
-        raise ValueError(f"bucket_mb must be a positive number of megabytes, got {bucket_mb!r}")
-    if not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
-    if not isinstance(check_order, bool):
-        raise TypeError(f"check_order must be True or False, got {check_order!r}")
-    if not isinstance(find_unused_parameters, bool):
-        raise TypeError("find_unused_parameters must be True or False, got "
-                        f"{find_unused_parameters!r}")
-    if zero1_variant not in ZERO1_VARIANTS:
-        raise ValueError(f"zero1_variant must be one of {ZERO1_VARIANTS}, got {zero1_variant!r}")
-    if zero1_variant != "reduce_scatter" and stage != 1:
-        raise ValueError(f"zero1_variant applies to stage 1 only, not stage {stage}")
-    if unit_classes is not None and stage != 3:
-        raise ValueError(f"unit_classes applies to stage 3 only, not stage {stage}")
-    if check_order and stage != 3:
-        raise ValueError(f"check_order applies to stage 3 only, not stage {stage}")
-    if root_params not in ROOT_PARAMS:
-        raise ValueError(f"root_params must be one of {ROOT_PARAMS}, got {root_params!r}")
-    if root_params != "shard" and stage != 3:
-        raise ValueError(f"root_params applies to stage 3 only, not stage {stage}")
-    if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-    if not (dist.is_available() and dist.is_initialized()):
-        raise RuntimeError("shard() needs torch.distributed initialised on every rank; run it "
-                           "inside a torchrun worker after zero_lab.launch.init_worker()")
-
-
 def _check_ranks_agree(model: nn.Module, plan: torch.optim.Optimizer, **settings) -> None:
     """Refuse, on every rank at once, when the ranks were not given the same thing to shard:
     every rank describes what it was given (settings, every parameter's and buffer's name,
@@ -362,67 +319,3 @@ def _check_ranks_agree(model: nn.Module, plan: torch.optim.Optimizer, **settings
                        for n, p in model.named_parameters()],
         "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
         "optimizer": [type(plan).__name__] + [len(g["params"]) for g in plan.param_groups]})
-
-
-def _refuse_batch_statistics(name: str, module: nn.Module, _args) -> None:
-    """A BatchNorm that normalises by the statistics of the batch it sees would use each
-    rank's local batch, not the global one: refused at its forward. In eval mode with running
-    statistics (fine-tuning a pretrained model) it is a fixed affine map: exact, accepted."""
-    if module.training or module.running_mean is None:
-        how = "in training mode" if module.training else "without running statistics"
-        raise RuntimeError(
-            f"{name} is a {type(module).__name__} {how}: it normalises by the statistics of "
-            "each rank's local batch, so training would not match one process on the global "
-            "batch. Fine-tuning with pretrained statistics: keep it in eval mode (call "
-            f"{name}.eval() after every model.train()), which is exact. Training it: use "
-            "nn.GroupNorm or nn.LayerNorm, which work on CPU (gloo) and GPU; nn.SyncBatchNorm "
-            "works only on CUDA with NCCL")
-
-
-def _check_model(model: nn.Module) -> None:
-    """Refuse, with the reason, every case that would otherwise train silently wrong."""
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
-    if getattr(model, SHARDED_ATTR, None) is not None:
-        raise ValueError("this model is already sharded; shard() a fresh model")
-    for name, module in model.named_modules():
-        if (isinstance(module, nn.modules.batchnorm._BatchNorm)
-                and not isinstance(module, nn.SyncBatchNorm)):
-            module.register_forward_pre_hook(partial(_refuse_batch_statistics, name or "model"))
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.sparse:
-            raise ValueError(f"{name} produces sparse gradients (sparse=True), which flat "
-                             "gradient buffers cannot hold; use sparse=False")
-        if isinstance(module, (nn.Embedding, nn.EmbeddingBag)) and module.max_norm is not None:
-            raise ValueError(
-                f"{name} is an {type(module).__name__} with max_norm={module.max_norm}: it "
-                "renormalises rows of its weight in place during forward, outside the "
-                "optimizer, which a sharded weight cannot follow (stage 3 holds a gathered "
-                "copy, stages 1-2 would not all-gather the change); use max_norm=None")
-    trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    if not trainable:
-        raise ValueError("the model has no trainable parameters (all requires_grad=False)")
-    for name, p in model.named_parameters():
-        if p.is_meta:
-            raise ValueError(f"parameter {name} is on the meta device (no data yet): "
-                             "materialise the model first (model.to_empty(device=...) and "
-                             "initialise it), then shard() it")
-    for name, p in trainable:
-        if p.numel() == 0:
-            raise ValueError(f"parameter {name} has no elements (shape {tuple(p.shape)}); "
-                             "freeze it (requires_grad=False) or remove it before shard()")
-        if p.dtype != torch.float32:
-            raise ValueError(f"parameter {name} is {p.dtype}; shard() takes a float32 model "
-                             "(precision='mixed' makes the bf16 copies itself)")
-    devices = {p.device for _, p in trainable}
-    if len(devices) > 1:
-        raise ValueError(f"trainable parameters are on several devices {sorted(map(str, devices))}"
-                         "; move the model to one device first")
-    # Two distinct Parameters over the same memory would be updated twice per step.
-    spans = sorted((p.untyped_storage().data_ptr() + p.storage_offset() * p.element_size(),
-                    p.numel() * p.element_size(), name)
-                   for name, p in model.named_parameters() if p.numel() > 0)
-    for (start, size, name), (next_start, _, next_name) in zip(spans, spans[1:], strict=False):
-        if next_start < start + size:
-            raise ValueError(
-                f"parameters {name} and {next_name} are different Parameter objects sharing "
-                "memory; tie weights by assigning the same nn.Parameter to both modules")
