@@ -64,6 +64,18 @@ def test_a_torch_device_mesh_gives_the_same_layout(reports):
         assert case["by_level"] == rep["stages"]["3"]["by_level"]
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_global_gradient_norm_counts_each_slice_once(reports, stage):
+    """opt.clip_grad_norm_ on a mesh: every group holds every slice, so the norm's sum runs
+    over one group only (over the world it would count each slice R times: sqrt(2) too
+    large here). Clipped training equals one process clipping its global gradient."""
+    for rep in reports:
+        case = rep[f"clipped_stage{stage}"]
+        assert case["max_abs_diff"] < TOLERANCE, case["max_abs_diff"]
+        assert min(case["norms"]) > 0.05  # clipping was active every step
+        assert case["norms"] == reports[0][f"clipped_stage{stage}"]["norms"]
+
+
 def test_the_formula_by_hand():
     """Units of 600 elements on 2 x 2 (fp32): 2 x 3 x 600 x 4 gathered inside, 3 x 600 x 4
     reduce-scattered inside, 3 x 300 x 4 all-reduced across; 7 elements pad to 8."""
