@@ -76,6 +76,23 @@ def test_the_global_gradient_norm_counts_each_slice_once(reports, stage):
         assert case["norms"] == reports[0][f"clipped_stage{stage}"]["norms"]
 
 
+def test_mixed_precision_on_a_mesh_stays_within_what_bf16_moves(reports):
+    """bf16 parameters and gradients (and collectives, 2 bytes an element): the weights end
+    within twice the gap between fp32 and bf16 training of one process; bytes per level are
+    the formula's at 2 bytes."""
+    for rep in reports:
+        case = rep["mixed"]
+        assert 0 < case["precision_gap"] < 0.1
+        assert case["max_abs_diff"] <= 2 * case["precision_gap"], case
+        check_bytes_per_level(case["by_level"], case["group_numels"], *MESH, element_size=2)
+
+
+def test_find_unused_parameters_is_refused_on_a_mesh(reports):
+    for rep in reports:
+        assert rep["unused_error"].startswith(
+            "ValueError: find_unused_parameters=True is not supported with a mesh yet")
+
+
 def test_the_formula_by_hand():
     """Units of 600 elements on 2 x 2 (fp32): 2 x 3 x 600 x 4 gathered inside, 3 x 600 x 4
     reduce-scattered inside, 3 x 300 x 4 all-reduced across; 7 elements pad to 8."""

@@ -18,6 +18,7 @@ from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
 from zero_lab.collectives.exchange import Exchange
 from zero_lab.stages import full_state_dict, shard
+from zero_lab.stages.mixed_precision import mixed_precision_reference
 
 MESH = (2, 2)  # (replicas, shards)
 WIDTH, DEPTH, STEPS, BATCH = 24, 3, 3, 8  # 8 rows: 2 per rank
@@ -59,14 +60,25 @@ def _nothing_across(piece, op):
     return Exchange([])  # the across-groups all-reduce, not sent
 
 
+def mixed_reference() -> dict[str, torch.Tensor]:
+    """One process on the global batch in bf16 with fp32 masters: the final weights."""
+    model, opt = mixed_precision_reference(_model(SEED), _adam)
+    for step in range(STEPS):
+        W.mse_loss(model, _batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt.full_state_dict(model)
+
+
 def ours(stage: int, rank: int, world: int, mutant: bool = False, mesh=MESH,
-         clip: float | None = None) -> dict:
+         clip: float | None = None, precision: str = "fp32") -> dict:
     """shard(model, stage, mesh=(2, 2)) (or the torch DeviceMesh `mesh`); the last step
     under a CommLedger. `mutant`: the slices are never averaged across the groups (each
     group trains on its half of the batch): a negative control the tests must catch.
     `clip`: opt.clip_grad_norm_(clip) before every step (the global norm: each slice counted
     once, though every group holds it)."""
-    model, opt = shard(_model(SEED + rank), stage, _adam, bucket_mb=400 / 2**20, mesh=mesh)
+    model, opt = shard(_model(SEED + rank), stage, _adam, bucket_mb=400 / 2**20, mesh=mesh,
+                       precision=precision)
     if mutant:
         for group in opt.sync.groups:
             group._across = _nothing_across
@@ -155,6 +167,17 @@ def run(rank: int, world: int) -> dict:
         case["max_abs_diff"] = max((weights[k] - clipped_ref[k]).abs().max().item()
                                    for k in clipped_ref)
         out[f"clipped_stage{stage}"] = case
+    # mixed precision (bf16 collectives): within what bf16 itself moves the weights
+    mixed_ref = mixed_reference()
+    case = ours(3, rank, world, precision="mixed")
+    weights = case.pop("weights")
+    case["max_abs_diff"] = max((weights[k].float() - mixed_ref[k].float()).abs().max().item()
+                               for k in mixed_ref)
+    case["precision_gap"] = max((ref_weights[k] - mixed_ref[k].float()).abs().max().item()
+                                for k in mixed_ref)
+    out["mixed"] = case
+    out["unused_error"] = error_message(
+        lambda: shard(_model(SEED), 3, _adam, mesh=MESH, find_unused_parameters=True))
     mutant = ours(3, rank, world, mutant=True)
     weights = mutant.pop("weights")
     mutant["max_abs_diff"] = max((weights[k] - ref_weights[k]).abs().max().item()
