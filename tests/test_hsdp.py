@@ -64,6 +64,35 @@ def test_a_torch_device_mesh_gives_the_same_layout(reports):
         assert case["by_level"] == rep["stages"]["3"]["by_level"]
 
 
+@pytest.mark.parametrize("stage", [2, 3])
+def test_the_global_gradient_norm_counts_each_slice_once(reports, stage):
+    """opt.clip_grad_norm_ on a mesh: every group holds every slice, so the norm's sum runs
+    over one group only (over the world it would count each slice R times: sqrt(2) too
+    large here). Clipped training equals one process clipping its global gradient."""
+    for rep in reports:
+        case = rep[f"clipped_stage{stage}"]
+        assert case["max_abs_diff"] < TOLERANCE, case["max_abs_diff"]
+        assert min(case["norms"]) > 0.05  # clipping was active every step
+        assert case["norms"] == reports[0][f"clipped_stage{stage}"]["norms"]
+
+
+def test_mixed_precision_on_a_mesh_stays_within_what_bf16_moves(reports):
+    """bf16 parameters and gradients (and collectives, 2 bytes an element): the weights end
+    within twice the gap between fp32 and bf16 training of one process; bytes per level are
+    the formula's at 2 bytes."""
+    for rep in reports:
+        case = rep["mixed"]
+        assert 0 < case["precision_gap"] < 0.1
+        assert case["max_abs_diff"] <= 2 * case["precision_gap"], case
+        check_bytes_per_level(case["by_level"], case["group_numels"], *MESH, element_size=2)
+
+
+def test_find_unused_parameters_is_refused_on_a_mesh(reports):
+    for rep in reports:
+        assert rep["unused_error"].startswith(
+            "ValueError: find_unused_parameters=True is not supported with a mesh yet")
+
+
 def test_the_formula_by_hand():
     """Units of 600 elements on 2 x 2 (fp32): 2 x 3 x 600 x 4 gathered inside, 3 x 600 x 4
     reduce-scattered inside, 3 x 300 x 4 all-reduced across; 7 elements pad to 8."""

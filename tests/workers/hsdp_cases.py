@@ -18,10 +18,12 @@ from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
 from zero_lab.collectives.exchange import Exchange
 from zero_lab.stages import full_state_dict, shard
+from zero_lab.stages.mixed_precision import mixed_precision_reference
 
 MESH = (2, 2)  # (replicas, shards)
 WIDTH, DEPTH, STEPS, BATCH = 24, 3, 3, 8  # 8 rows: 2 per rank
 LR = 1e-2
+CLIP = 0.05  # below every step's gradient norm: clipping is active
 
 
 def _model(seed: int) -> torch.nn.Module:
@@ -37,14 +39,17 @@ def _adam(params):
     return torch.optim.Adam(params, lr=LR)
 
 
-def reference() -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One process on the global batch: losses and final weights."""
+def reference(clip: float | None = None) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """One process on the global batch: losses and final weights (gradients clipped to a
+    global norm of `clip`, if given)."""
     model = _model(SEED)
     opt = _adam(model.parameters())
     losses = []
     for step in range(STEPS):
         loss = W.mse_loss(model, _batch(step))
         loss.backward()
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
@@ -55,24 +60,40 @@ def _nothing_across(piece, op):
     return Exchange([])  # the across-groups all-reduce, not sent
 
 
-def ours(stage: int, rank: int, world: int, mutant: bool = False, mesh=MESH) -> dict:
+def mixed_reference() -> dict[str, torch.Tensor]:
+    """One process on the global batch in bf16 with fp32 masters: the final weights."""
+    model, opt = mixed_precision_reference(_model(SEED), _adam)
+    for step in range(STEPS):
+        W.mse_loss(model, _batch(step)).backward()
+        opt.step()
+        opt.zero_grad()
+    return opt.full_state_dict(model)
+
+
+def ours(stage: int, rank: int, world: int, mutant: bool = False, mesh=MESH,
+         clip: float | None = None, precision: str = "fp32") -> dict:
     """shard(model, stage, mesh=(2, 2)) (or the torch DeviceMesh `mesh`); the last step
     under a CommLedger. `mutant`: the slices are never averaged across the groups (each
-    group trains on its half of the batch): a negative control the tests must catch."""
-    model, opt = shard(_model(SEED + rank), stage, _adam, bucket_mb=400 / 2**20, mesh=mesh)
+    group trains on its half of the batch): a negative control the tests must catch.
+    `clip`: opt.clip_grad_norm_(clip) before every step (the global norm: each slice counted
+    once, though every group holds it)."""
+    model, opt = shard(_model(SEED + rank), stage, _adam, bucket_mb=400 / 2**20, mesh=mesh,
+                       precision=precision)
     if mutant:
         for group in opt.sync.groups:
             group._across = _nothing_across
-    losses = []
+    losses, norms = [], []
     for step in range(STEPS):
         with CommLedger() as ledger:  # the last step's is kept
             loss = W.mse_loss(model, W.rank_slice(_batch(step), rank, world))
             loss.backward()
+            if clip is not None:
+                norms.append(opt.clip_grad_norm_(clip).item())
             opt.step()
             opt.zero_grad()
         losses.append(loss.item())
     groups = opt.sync.groups
-    return {"losses": losses, "weights": full_state_dict(model),
+    return {"losses": losses, "norms": norms, "weights": full_state_dict(model),
             "by_level": ledger.by_level(), "group_numels": [g.numel for g in groups],
             "group_world": groups[0].world_size,
             "levels_of_control": sorted({r.level for r in ledger.control})}
@@ -138,6 +159,25 @@ def run(rank: int, world: int) -> dict:
     case["max_abs_diff"] = max((weights[k] - ref_weights[k]).abs().max().item()
                                for k in ref_weights)
     out["device_mesh"] = case
+    # clipped to a global norm: stages 2 and 3 hold slices, each in every group
+    _, clipped_ref = reference(CLIP)
+    for stage in (2, 3):
+        case = ours(stage, rank, world, clip=CLIP)
+        weights = case.pop("weights")
+        case["max_abs_diff"] = max((weights[k] - clipped_ref[k]).abs().max().item()
+                                   for k in clipped_ref)
+        out[f"clipped_stage{stage}"] = case
+    # mixed precision (bf16 collectives): within what bf16 itself moves the weights
+    mixed_ref = mixed_reference()
+    case = ours(3, rank, world, precision="mixed")
+    weights = case.pop("weights")
+    case["max_abs_diff"] = max((weights[k].float() - mixed_ref[k].float()).abs().max().item()
+                               for k in mixed_ref)
+    case["precision_gap"] = max((ref_weights[k] - mixed_ref[k].float()).abs().max().item()
+                                for k in mixed_ref)
+    out["mixed"] = case
+    out["unused_error"] = error_message(
+        lambda: shard(_model(SEED), 3, _adam, mesh=MESH, find_unused_parameters=True))
     mutant = ours(3, rank, world, mutant=True)
     weights = mutant.pop("weights")
     mutant["max_abs_diff"] = max((weights[k] - ref_weights[k]).abs().max().item()
