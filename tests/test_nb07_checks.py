@@ -16,6 +16,8 @@ measures and rejects a mutant, the mistake it is there to catch.
                                                                           at DEFAULT_BUCKETS when
                                                                           the ledger counts 2
     2. bytes sent vs projection       check_projected_bytes               the ring factor dropped
+    2. measured vs projected          same_launch_error (printed, not     a twin timed in other
+       (the error, computed)          asserted: a timing)                 rounds than the stage
     3. decision table                 check_decision_table                recommend() without its
                                                                           reserve, 79.2 of 80 GiB,
                                                                           "checkpoint activations"
@@ -146,6 +148,26 @@ def test_projected_collectives_check_rejects_a_wrong_count():
     for mutant in (once, default):
         with pytest.raises(AssertionError, match="projected"):
             checks.check_projected_collectives(mutant, ledger)
+
+
+def test_same_launch_error_pairs_each_round_of_the_stage_with_its_twins():
+    # a machine whose load doubles in round 2: the stage and its twin both slow down, and the
+    # projection (twin + 10 ms of collectives) still explains each round exactly
+    twin = [0.040, 0.080, 0.041]
+    stage = [t + 0.010 for t in twin]
+    best, (lo, hi) = checks.same_launch_error(stage, twin, 0.010)
+    assert best == pytest.approx(0.0) and lo == pytest.approx(0.0) and hi == pytest.approx(0.0)
+    # the best rounds: each side's fastest, whichever round it fell in; the band: round by round
+    best, (lo, hi) = checks.same_launch_error([0.050, 0.060], [0.045, 0.036], 0.010)
+    assert best == pytest.approx(0.046 / 0.050 - 1)
+    assert (lo, hi) == (pytest.approx(0.046 / 0.060 - 1), pytest.approx(0.055 / 0.050 - 1))
+
+
+def test_same_launch_error_rejects_a_twin_timed_in_other_rounds():
+    # the mutant: the compute taken from another launch (one rank alone, 3 rounds) set
+    # beside the stage's 8 rounds
+    with pytest.raises(AssertionError, match="same rounds"):
+        checks.same_launch_error([0.05] * 8, [0.03] * 3, 0.01)
 
 
 # ------------------------------------------------------------------ section 3

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from zero_lab.bench_systems import PHASES, SYSTEMS, BenchConfig
+from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, SYSTEMS, BenchConfig
 from zero_lab.paths import BENCH, WORKERS
 
 DEFAULT_OUT = BENCH
@@ -79,8 +79,8 @@ def summarize(ranks: list[dict], config: BenchConfig) -> dict:
         all_steps = [step[0] for steps in timing for step in steps]
         best = min(range(len(timing)), key=round_medians.__getitem__)
         systems[name] = {
-            "label": SYSTEMS[name].label if name in SYSTEMS else name,
-            "short": (SYSTEMS[name].short if name in SYSTEMS else "") or name,
+            "label": BENCH_SYSTEMS[name].label if name in BENCH_SYSTEMS else name,
+            "short": (BENCH_SYSTEMS[name].short if name in BENCH_SYSTEMS else "") or name,
             "round_medians_ms": [1e3 * t for t in round_medians],
             "best_round_ms": 1e3 * min(round_medians),
             "median_ms": 1e3 * statistics.median(all_steps),
@@ -249,9 +249,9 @@ def run(
     from zero_lab.launch import torchrun
 
     config = config or BenchConfig()
-    unknown = [s for s in systems if s not in SYSTEMS]
+    unknown = [s for s in systems if s not in BENCH_SYSTEMS]  # a stage's twin if named
     if unknown:
-        raise ValueError(f"unknown system(s) {unknown}; choose from {list(SYSTEMS)}")
+        raise ValueError(f"unknown system(s) {unknown}; choose from {list(BENCH_SYSTEMS)}")
     if config.rounds < 1 or config.steps < 1:
         raise ValueError("rounds and steps must be >= 1")
     args = ["--systems", *systems, "--config", json.dumps(asdict(config))]

@@ -152,6 +152,28 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
 ]}
 
 
+# ---------------------------------------------- a stage's twin that sends nothing (06, 07)
+# Notebooks 06 and 07 time each stage beside its twin, in the same launch and the same rounds:
+# step(stage) - step(twin) is what the stage's communication costs, and the twin's step is
+# the stage's compute, measured under whatever load the stage itself ran under.
+
+NO_COMM = "_no_comm"  # suffix of a stage's twin: "stage2_no_comm"
+
+
+def no_comm_twin(stage: int) -> System:
+    """zero_lab stage `stage` with `transport="none"`: every copy, hook, bucket and the 1/N
+    update, nothing sent (its weights are meaningless: no rank sees another's data)."""
+    return System(f"stage{stage}{NO_COMM}", f"zero_lab stage {stage}, sending nothing",
+                  partial(build_zero_lab, stage=stage, transport="none"),
+                  f"zero_lab st. {stage}\nsends nothing")
+
+
+TWINS: dict[str, System] = {s.name: s for s in map(no_comm_twin, range(4))}
+# What the bench worker can build: the systems `make bench` races by default, and the twins,
+# run only when named (their weights differ from every other system's by design).
+BENCH_SYSTEMS: dict[str, System] = {**SYSTEMS, **TWINS}
+
+
 # ------------------------------------------------ systems the profiler notebook adds (06)
 
 
@@ -188,7 +210,7 @@ def build_blog_zero1(model, config: BenchConfig, device) -> Trainer:
                    lambda: {k: v.detach().clone() for k, v in model.state_dict().items()})
 
 
-PROFILE_SYSTEMS: dict[str, System] = {**SYSTEMS, **{s.name: s for s in [
+PROFILE_SYSTEMS: dict[str, System] = {**SYSTEMS, **TWINS, **{s.name: s for s in [
     System("compute_only", "compute only (no communication)", build_compute_only,
            "compute\nonly"),
     System("blog_zero1", "the seed blog's ZeRO-1", build_blog_zero1, "seed blog\nZeRO-1"),

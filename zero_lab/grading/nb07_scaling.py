@@ -185,6 +185,25 @@ def check_projected_collectives(projected: dict, measured: dict) -> None:
             f"N = {key[0]}, stage {key[1]}: projected {dict(calls)}, sent {dict(measured[key])}")
 
 
+def same_launch_error(stage_rounds: list[float], twin_rounds: list[float],
+                      comm_s: float) -> tuple[float, tuple[float, float]]:
+    """Section 2: how far the projection lands from the measured step, for one stage at one N.
+
+    `stage_rounds` and `twin_rounds` are the median step of each round (seconds) of the stage
+    and of its twin that sends nothing, timed in the same launch, round k of one beside round
+    k of the other: whatever else loads the machine loads both. projected = the twin's step
+    (the stage's compute) + `comm_s` (the priced collectives that do not hide). Returns the
+    error of the best rounds, (min(twin) + comm_s) / min(stage) - 1 (the least disturbed of
+    each, as the link sweep keeps its fastest batch), and the band of the rounds' errors,
+    (twin_k + comm_s) / stage_k - 1, from the lowest to the highest."""
+    assert len(stage_rounds) == len(twin_rounds) > 0, (
+        f"{len(stage_rounds)} rounds of the stage, {len(twin_rounds)} of its twin: the twin "
+        "must be timed in the same rounds")
+    each = [(twin + comm_s) / stage - 1 for stage, twin in
+            zip(stage_rounds, twin_rounds, strict=True)]
+    return (min(twin_rounds) + comm_s) / min(stage_rounds) - 1, (min(each), max(each))
+
+
 def check_decision_table(table: dict, gpu_bytes: float) -> None:
     """Section 3: every recommendation that fits leaves the reserve (RESERVE_FRACTION of the
     GPU) free, on top of the peak floor counted in per_rank_bytes; one that does not fit is

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from zero_lab.bench_systems import PHASES, SYSTEMS, BenchConfig, Trainer
+from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, BenchConfig, Trainer
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.measured import MemoryTimeline, held_bytes, model_state_tensors
@@ -188,7 +188,8 @@ def main() -> None:
         torch.manual_seed(config.seed)  # every system starts from the same weights
         model = deep_mlp(config.width, config.depth).to(info.device)
         n_params = count_parameters(model)
-        runs.append(Run(name, SYSTEMS[name].build(model, config, info.device), config, info))
+        runs.append(Run(name, BENCH_SYSTEMS[name].build(model, config, info.device), config,
+                        info))
 
     for run in runs:
         for _ in range(config.warmup):

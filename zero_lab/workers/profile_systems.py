@@ -41,7 +41,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zero_lab.bench_systems import PROFILE_SYSTEMS, BenchConfig, build_zero_lab
+from zero_lab.bench_systems import NO_COMM, PROFILE_SYSTEMS, BenchConfig
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.measured import held_bytes
@@ -64,16 +64,6 @@ def _minor_faults() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
 
-NO_COMM = "_no_comm"  # suffix of a stage's twin that sends nothing
-
-
-def _build(name: str, model, config: BenchConfig, device):
-    if name.endswith(NO_COMM):  # "stage2_no_comm": stage 2 with transport="none"
-        stage = int(name.removesuffix(NO_COMM).removeprefix("stage"))
-        return build_zero_lab(model, config, device, stage=stage, transport="none")
-    return PROFILE_SYSTEMS[name].build(model, config, device)
-
-
 class Run:
     """One system on this rank: its trainer, the steps it has taken, what was measured."""
 
@@ -81,7 +71,7 @@ class Run:
         torch.manual_seed(config.seed)  # every system starts from the same weights
         model = deep_mlp(config.width, config.depth).to(info.device)
         self.name, self.config, self.info = name, config, info
-        self.trainer = _build(name, model, config, info.device)
+        self.trainer = PROFILE_SYSTEMS[name].build(model, config, info.device)  # twins too
         self.done = 0
         self.times: list[float] = []
         self.profiled: list[float] = []
