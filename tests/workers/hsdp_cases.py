@@ -10,10 +10,13 @@ FSDP2's weights beside ours, and the refusals a layout must keep (lockstep, agre
 
 from __future__ import annotations
 
+import tempfile
+
 import torch
 import torch.distributed as dist
 from stage_cases import SEED, error_message
 
+from zero_lab import checkpoint
 from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
 from zero_lab.collectives.exchange import Exchange
@@ -176,6 +179,13 @@ def run(rank: int, world: int) -> dict:
     case["precision_gap"] = max((ref_weights[k] - mixed_ref[k].float()).abs().max().item()
                                 for k in mixed_ref)
     out["mixed"] = case
+    # Checkpoints of a mesh: every group holds the same slices; refused by name, not left to
+    # fail on "two pieces hold the same elements" (every rank, before anything is written).
+    model, opt = shard(_model(SEED), 3, _adam, mesh=MESH)
+    with tempfile.TemporaryDirectory() as empty:
+        out["checkpoint_errors"] = [
+            error_message(lambda: checkpoint.save(model, opt, f"{empty}/ckpt{rank}")),
+            error_message(lambda: checkpoint.load(model, opt, empty))]
     out["unused_error"] = error_message(
         lambda: shard(_model(SEED), 3, _adam, mesh=MESH, find_unused_parameters=True))
     mutant = ours(3, rank, world, mutant=True)

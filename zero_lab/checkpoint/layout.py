@@ -15,8 +15,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from zero_lab.checkpoint.manifest import CheckpointError
 from zero_lab.stages import SHARDED_ATTR
 
 
@@ -38,11 +40,26 @@ def sharded_optimizer(model: nn.Module, optimizer, weights_only: bool = False) -
     if owner is None:
         raise TypeError("checkpoints are of sharded models: call zero_lab.stages.shard(model, "
                         "stage) first (stage 0 is plain data parallelism)")
+    _refuse_a_mesh(owner)
     if optimizer is None and weights_only:
         return owner
     if optimizer is not owner:
         raise TypeError("`optimizer` must be the one shard(model, ...) returned with this model")
     return owner
+
+
+def _refuse_a_mesh(opt) -> None:
+    """Hybrid sharding (shard(..., mesh=(R, S))) is not yet checkpointed: every group of S
+    ranks holds the same slices, so the layout here (one piece per rank) would write each
+    element R times. Refused on every rank alike, before anything is read or written."""
+    group = opt.sync.groups[0]
+    if group.replicate_group is not None:
+        replicas = dist.get_world_size(group=group.replicate_group)
+        raise CheckpointError(
+            f"this model is sharded on a mesh (hybrid sharding, {replicas} x "
+            f"{group.world_size}): zero_lab.checkpoint does not save or load it yet (every "
+            "group holds the same slices, and only one group should write them). Save "
+            "full_state_dict(model) instead, and load it with model.load_state_dict(...)")
 
 
 def group_base(opt, g: int) -> int:
