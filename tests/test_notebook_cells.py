@@ -99,3 +99,12 @@ def test_a_worker_script_two_notebooks_save_is_caught(tmp_path):
     c = notebook("02_c.ipynb", "%%rank_script workers/z.py", "%%rank_script workers/z.py")
     assert rank_scripts_shared([a, b, c]) == {
         str(tmp_path / "workers" / "x.py"): ["00_a.ipynb", "01_b.ipynb"]}
+
+
+def test_the_tests_save_figures_apart_from_the_notebooks():
+    """Notebooks the tests run (student copies in JupyterLab and nbclient) save their figures
+    where nbval's notebooks, run beside them, never do (failed before: both in runs/figures,
+    e.g. 03_zero1_who_owns_what.png from the browser test's student copy and from nbval)."""
+    from zero_lab.paths import RUNS, figures_dir
+
+    assert not figures_dir().resolve().is_relative_to(RUNS.resolve())
