@@ -45,16 +45,33 @@ figures: setup ## run, then copy the figures the notebooks saved into figures/
 BROWSER_NOTEBOOKS := notebooks/00_setup.ipynb notebooks/01_memory_accounting.ipynb
 NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*.ipynb))
 
+# pytest and nbval run at the same time, one process each (the two cores stay busy until both
+# end: about 4 minutes less than one after the other). nbval writes to NBVAL_LOG, shown when
+# pytest ends, so neither's lines break the other's (`tail -f runs/nbval.log` to watch it).
+# Either failing fails `make test`. What both could write is kept apart: the tests save figures
+# in a folder of their own (tests/conftest.py), %%rank_script replaces a worker script whole,
+# and no two notebooks save the same one (tests/test_notebook_cells.py).
 # pytest exits 5 when it collects nothing; that is not a failure of the code under test.
-test: setup ## ruff, pytest on tests/, nbval on every notebook (CPU)
+NBVAL_LOG ?= runs/nbval.log
+ENSURE_CHROMIUM ?= sh tests/browser/ensure_chromium.sh
+test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 	$(VENV)/bin/ruff check zero_lab tests
-	@sh tests/browser/ensure_chromium.sh
-	$(PY) -m pytest tests || [ $$? -eq 5 ]
+	@$(ENSURE_CHROMIUM)
+	@mkdir -p $(dir $(NBVAL_LOG))
 	@if command -v chromium >/dev/null 2>&1; then \
-	    echo "nbval: $(BROWSER_NOTEBOOKS) ran in tests/test_browser.py"; \
+	    echo "nbval: $(BROWSER_NOTEBOOKS) run in tests/test_browser.py"; \
 	    set -- $(NBVAL_BESIDE_BROWSER); else set -- notebooks/; fi; \
-	echo "$(PY) -m pytest --nbval-lax -p no:cacheprovider $$*"; \
-	$(PY) -m pytest --nbval-lax -p no:cacheprovider "$$@" || [ $$? -eq 5 ]
+	echo "$(PY) -m pytest --nbval-lax -p no:cacheprovider $$* >$(NBVAL_LOG) (beside pytest)"; \
+	$(PY) -m pytest --nbval-lax -p no:cacheprovider "$$@" >$(NBVAL_LOG) 2>&1 & nbval=$$!; \
+	trap 'kill $$nbval 2>/dev/null' INT TERM; \
+	echo "$(PY) -m pytest tests"; \
+	$(PY) -m pytest tests; tests=$$?; \
+	wait $$nbval; notebooks=$$?; \
+	echo "==================== nbval, run beside pytest ($(NBVAL_LOG)) ===================="; \
+	cat $(NBVAL_LOG); \
+	[ $$tests -eq 5 ] && tests=0; [ $$notebooks -eq 5 ] && notebooks=0; \
+	echo "make test: pytest exit status $$tests, nbval exit status $$notebooks"; \
+	[ $$tests -eq 0 ] && [ $$notebooks -eq 0 ]
 
 # A check that fails on a busy machine is a defect: soak runs each notebook RUNS times under
 # nbval with LOAD CPU-bound processes beside it and prints the pass count per notebook.

@@ -1,9 +1,9 @@
 """Shared by the tests of the case workers: one launch per (worker, world size), cached for
 the whole test session (each launch costs seconds before a rank runs anything).
 
-test_collectives.py, test_partition.py, test_stages.py and test_zero3.py read their parts of
-one launch per world size of tests/workers/world_cases.py (`case_reports`); test_contract.py
-and test_contract_habits.py launch their own workers (`worker_reports`)."""
+test_collectives.py, test_partition.py, test_stages.py, test_zero3.py, test_contract.py,
+test_contract_habits.py and test_stage3_reads.py read their parts of one launch per world size
+of tests/workers/world_cases.py (`case_reports`)."""
 
 from __future__ import annotations
 
@@ -35,8 +35,8 @@ def worker_reports(worker: Path, nproc: int) -> tuple[dict, ...]:
 
 
 def case_reports(part: str, nproc: int) -> tuple[dict, ...]:
-    """Every rank's report of `part` ("collectives", "stages" or "zero3") from the launch of
-    tests/workers/world_cases.py on `nproc` gloo ranks that the three parts share."""
+    """Every rank's report of `part` (a key of tests/workers/world_cases.py's PARTS, e.g.
+    "stages") from the launch of world_cases.py on `nproc` gloo ranks that the parts share."""
     return tuple(rep[part] for rep in worker_reports(WORLD_CASES, nproc))
 
 

@@ -1,10 +1,21 @@
-"""Fixtures shared by the launch tests."""
+"""Fixtures shared by the tests: the launch tests' private temp dir, and a figures folder of
+the test session's own."""
 
 from __future__ import annotations
 
 import tempfile
 
 import pytest
+
+
+@pytest.fixture(scope="session", autouse=True)
+def figures_apart(tmp_path_factory):
+    """Notebooks the tests run (in JupyterLab, with nbclient) save their figures in a folder of
+    this session's, read by zero_lab.paths.figures_dir and inherited by the kernels: `make
+    test` runs nbval beside pytest, and its notebooks save the same names in runs/figures."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("ZERO_LAB_FIGURES_DIR", str(tmp_path_factory.mktemp("figures")))
+        yield
 
 
 @pytest.fixture

@@ -1,5 +1,6 @@
 """The edges of the contract torch's DDP, ZeroRedundancyOptimizer and FSDP2 honour, at every
-stage, against one process (tests/workers/contract_cases.py, one launch per world size).
+stage, against one process (tests/workers/contract_cases.py, in the launch per world size
+of tests/workers/world_cases.py).
 
 - a parameter with no gradient in a step keeps `.grad` None and is not stepped (AdamW does
   not decay it, Adam does not move it), whether no rank or only some ranks used it;
@@ -12,17 +13,14 @@ stage, against one process (tests/workers/contract_cases.py, one launch per worl
 from __future__ import annotations
 
 import pytest
-from common import worker_reports
+from common import case_reports
 
-from zero_lab.paths import REPO_ROOT
-
-WORKER = REPO_ROOT / "tests" / "workers" / "contract_cases.py"
 FP32_ATOL = 1e-6  # fp32 weights of size ~0.1-1 after 6 steps (the stage tests measure 1.2e-7)
 
 
 @pytest.fixture(params=[2, 3], scope="module", ids=lambda n: f"N={n}")
 def ranks(request):
-    return request.param, worker_reports(WORKER, request.param)
+    return request.param, case_reports("contract", request.param)
 
 
 def cases(ranks, scenario: str) -> list[tuple[int, dict]]:

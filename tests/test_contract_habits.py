@@ -1,23 +1,23 @@
 """The loops people write in real training code, at every stage, against one process
-(tests/workers/contract_habits.py, one launch per world size): each is made right, or refused
-at the first moment it can be detected with a message that says what to do instead.
+(tests/workers/contract_habits.py, in the launch per world size of world_cases.py): each is
+made right, or refused at the first moment it can be detected with a message that says what
+to do instead.
 """
 
 from __future__ import annotations
 
 import pytest
-from common import worker_reports
+from common import case_reports
 
 from zero_lab.launch import LaunchError, torchrun
 from zero_lab.paths import REPO_ROOT
 
-WORKER = REPO_ROOT / "tests" / "workers" / "contract_habits.py"
 FP32_ATOL = 1e-6  # fp32 weights after a few Adam steps (the contract tests measure ~2e-7)
 
 
 @pytest.fixture(params=[2, 3], scope="module", ids=lambda n: f"N={n}")
 def ranks(request):
-    return request.param, worker_reports(WORKER, request.param)
+    return request.param, case_reports("contract_habits", request.param)
 
 
 def runs(ranks, case: str) -> list[tuple[int, dict]]:

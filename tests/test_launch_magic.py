@@ -73,3 +73,30 @@ def test_folders_are_made_where_writefile_would_fail(shell, tmp_path, monkeypatc
     mine, files = _run(shell, "rank_script", '"~/my workers/a b.py"', tmp_path / "mine",
                        monkeypatch)
     assert mine is None and files == {os.path.join("my workers", "a b.py"): CELL}
+
+
+def test_a_script_being_read_is_replaced_whole_not_rewritten_in_place(shell, tmp_path,
+                                                                       monkeypatch):
+    """Another kernel's ranks may be reading the script while this cell saves it (the browser
+    test and nbval can run a notebook at once): they read the old text or the new, never a
+    truncated file (failed before: the file was truncated in place, the reader saw "")."""
+    monkeypatch.chdir(tmp_path)
+    script = tmp_path / "workers" / "w.py"
+    script.parent.mkdir()
+    script.write_text("old = 1\n")
+    with script.open() as reading:  # opened before the save, read after it
+        assert shell.run_cell(f"%%rank_script workers/w.py\n{CELL}").success
+        assert reading.read() == "old = 1\n"
+    assert script.read_text() == CELL
+    assert sorted(p.name for p in script.parent.iterdir()) == ["w.py"]  # no temp file left
+
+
+def test_a_save_that_fails_part_way_leaves_the_old_script(shell, tmp_path, monkeypatch):
+    """A cell that cannot be encoded (a lone surrogate) fails the save: the old script stays
+    whole and nothing else is left beside it (failed before: an empty script was left)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "w.py").write_text("old = 1\n")
+    result = shell.run_cell("%%rank_script w.py\nprint('\ud800')\n")
+    assert isinstance(result.error_in_exec, UnicodeEncodeError)
+    assert (tmp_path / "w.py").read_text() == "old = 1\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["w.py"]

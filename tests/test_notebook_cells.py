@@ -6,6 +6,10 @@ learner has to read past. A cell's last expression must be a call that returns N
 a check, plt.show) or a value shown on purpose (the memory calculator widget).
 
 The parameters cell of a notebook that launches ranks says what to set on a GPU instance.
+
+No two notebooks save a worker script (%%rank_script) to the same file: `make test` runs
+notebooks at the same time (nbval beside tests/test_browser.py's JupyterLab), and one's ranks
+would run the other's script.
 """
 
 from __future__ import annotations
@@ -63,3 +67,44 @@ def test_the_parameters_cell_says_what_to_set_on_a_gpu(path):
     cells = json.loads(path.read_text())["cells"]
     tagged = ["".join(c["source"]) for c in cells if "parameters" in c["metadata"].get("tags", [])]
     assert len(tagged) == 1 and "on a gpu instance" in tagged[0].lower(), tagged
+
+
+def rank_scripts_shared(paths: list[Path]) -> dict[str, list[str]]:
+    """{script: notebooks} for each file that more than one notebook saves with %%rank_script
+    (resolved as the kernel does: from the notebook's folder)."""
+    from zero_lab.launch import _script_path  # %%rank_script's own reading of its line
+
+    writers: dict[str, set[str]] = {}
+    for path in paths:
+        for cell in json.loads(path.read_text())["cells"]:
+            first = "".join(cell["source"]).split("\n", 1)[0]
+            if cell["cell_type"] == "code" and first.startswith("%%rank_script"):
+                script, _ = _script_path(first.removeprefix("%%rank_script"))
+                writers.setdefault(str((path.parent / script).resolve()), set()).add(path.name)
+    return {script: sorted(nbs) for script, nbs in writers.items() if len(nbs) > 1}
+
+
+def test_no_two_notebooks_save_the_same_worker_script():
+    assert rank_scripts_shared(NOTEBOOKS) == {}
+
+
+def test_a_worker_script_two_notebooks_save_is_caught(tmp_path):
+    def notebook(name: str, *lines: str) -> Path:
+        cells = [{"cell_type": "code", "source": [line, "\nprint(1)\n"]} for line in lines]
+        (tmp_path / name).write_text(json.dumps({"cells": cells}))
+        return tmp_path / name
+
+    a = notebook("00_a.ipynb", "%%rank_script workers/x.py", "%%rank_script workers/y.py")
+    b = notebook("01_b.ipynb", '%%rank_script -a "workers/../workers/x.py"')
+    c = notebook("02_c.ipynb", "%%rank_script workers/z.py", "%%rank_script workers/z.py")
+    assert rank_scripts_shared([a, b, c]) == {
+        str(tmp_path / "workers" / "x.py"): ["00_a.ipynb", "01_b.ipynb"]}
+
+
+def test_the_tests_save_figures_apart_from_the_notebooks():
+    """Notebooks the tests run (student copies in JupyterLab and nbclient) save their figures
+    where nbval's notebooks, run beside them, never do (failed before: both in runs/figures,
+    e.g. 03_zero1_who_owns_what.png from the browser test's student copy and from nbval)."""
+    from zero_lab.paths import RUNS, figures_dir
+
+    assert not figures_dir().resolve().is_relative_to(RUNS.resolve())

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
 import re
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -74,3 +76,71 @@ def test_notebook_is_stripped_and_parameterised(path):
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
 def test_notebook_is_on_the_readme_course_map(path):
     assert f"notebooks/{path.name}" in (ROOT / "README.md").read_text()
+
+
+# A stand-in for .venv/bin/python under `make test`: it says which run it is (pytest on tests/
+# or nbval), leaves a mark, waits up to 5 s for the other run's mark, and exits with the status
+# named for its run in $FAKE_STATUS ("pytest=1 nbval=0").
+FAKE_PYTHON = """#!/bin/sh
+case "$*" in *--nbval-lax*) me=nbval other=pytest;; *) me=pytest other=nbval;; esac
+touch "$FAKE_MARKS/$me"
+i=0; while [ ! -e "$FAKE_MARKS/$other" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+[ -e "$FAKE_MARKS/$other" ] && seen=yes || seen=no
+echo "$me ran, saw $other running: $seen"
+for kv in $FAKE_STATUS; do [ "${kv%%=*}" = "$me" ] && exit "${kv#*=}"; done
+"""
+
+
+def run_make_test(makefile: Path, tmp_path: Path, pytest_status: int, nbval_status: int):
+    """`make test` of `makefile` with stand-ins for ruff and the venv's python: (exit status,
+    what it printed)."""
+    venv, marks = tmp_path / "venv", tmp_path / "marks"
+    shutil.rmtree(marks, ignore_errors=True)
+    marks.mkdir()
+    (venv / "bin").mkdir(parents=True, exist_ok=True)
+    (venv / "bin" / "python").write_text(FAKE_PYTHON)
+    (venv / "bin" / "ruff").write_text("#!/bin/sh\nexit 0\n")
+    for tool in (venv / "bin").iterdir():
+        tool.chmod(0o755)
+    env = {**os.environ, "FAKE_MARKS": str(marks),
+           "FAKE_STATUS": f"pytest={pytest_status} nbval={nbval_status}"}
+    out = subprocess.run(
+        ["make", "-s", "-f", str(makefile), "-o", f"{venv}/.installed", "test", f"VENV={venv}",
+         f"NBVAL_LOG={tmp_path / 'nbval.log'}", "ENSURE_CHROMIUM=true"],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+    return out.returncode, out.stdout + out.stderr
+
+
+def make_test_contract(makefile: Path, tmp_path: Path) -> list[str]:
+    """What `make test` of `makefile` gets wrong: pytest and nbval must run at the same time,
+    nbval's output come after pytest's, and the target fail when either fails (pytest's 5,
+    nothing collected, is no failure). Stops at the first case it gets wrong."""
+    for pytest_status, nbval_status, passes in [(0, 0, True), (1, 0, False), (0, 1, False),
+                                                (5, 5, True), (5, 2, False), (2, 5, False)]:
+        status, shown = run_make_test(makefile, tmp_path, pytest_status, nbval_status)
+        case = f"pytest {pytest_status}, nbval {nbval_status}"
+        if (status == 0) != passes:
+            return [f"{case}: make exit {status}", shown]
+        if "pytest ran, saw nbval running: yes" not in shown or \
+                "nbval ran, saw pytest running: yes" not in shown:
+            return [f"{case}: not at the same time", shown]
+        if not 0 <= shown.find("pytest ran") < shown.find("nbval ran"):
+            return [f"{case}: nbval's lines not after pytest's", shown]
+    return []
+
+
+def test_make_test_runs_pytest_beside_nbval_and_fails_if_either_fails(tmp_path):
+    assert make_test_contract(ROOT / "Makefile", tmp_path) == []
+
+
+@pytest.mark.parametrize("mutant", [
+    ("& nbval=$$!;", "; nbval=$$!;"),                              # nbval first, then pytest
+    ("[ $$tests -eq 0 ] && [ $$notebooks -eq 0 ]", "[ $$tests -eq 0 ]"),  # nbval's failure lost
+    ("wait $$nbval; notebooks=$$?;", "notebooks=0;"),               # nbval not waited for
+])
+def test_a_make_test_that_breaks_the_contract_is_caught(tmp_path, mutant):
+    text = (ROOT / "Makefile").read_text()
+    assert mutant[0] in text
+    broken = tmp_path / "Makefile"
+    broken.write_text(text.replace(mutant[0], mutant[1]))
+    assert make_test_contract(broken, tmp_path) != []

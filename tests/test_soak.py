@@ -21,6 +21,10 @@ def _notebook(path, *cells):
 def test_soak_counts_passes_names_the_failing_cell_and_leaves_no_load(tmp_path, monkeypatch,
                                                                         capsys):
     monkeypatch.setattr(soak, "SOAK", tmp_path / "soak")
+    # A sleeping stand-in for the spinning load: what is held here is the bookkeeping (started
+    # before each run, alive through it, gone after); a real spinner would take a core from the
+    # rest of `make test` (pytest beside nbval on two cores) for the whole test.
+    monkeypatch.setattr(soak, "SPIN", "import time; time.sleep(600)")
     good = _notebook(tmp_path / "good.ipynb", "x = 1")
     bad = _notebook(tmp_path / "bad.ipynb", "x = 1", "assert x == 2, ('stage0', x)", "print(y)")
     spinners, seen_load = [], []

@@ -2,27 +2,25 @@
 forward and backward a parameter holds only this rank's 1-D piece, so a read of it elsewhere
 (a parent's forward, an L2 term over model.parameters(), a logged weight norm) is refused at
 the read, naming the parameter and its unit; what worked keeps training as one process
-(tests/workers/stage3_reads.py, one launch per world size).
+(tests/workers/stage3_reads.py, in the launch per world size of world_cases.py).
 """
 
 from __future__ import annotations
 
 import pytest
 import torch
-from common import worker_reports
+from common import case_reports
 from torch import nn
 
-from zero_lab.paths import REPO_ROOT
 from zero_lab.stages import at_rest
 
-WORKER = REPO_ROOT / "tests" / "workers" / "stage3_reads.py"
 FP32_ATOL = 1e-6  # fp32 weights after a few Adam steps (the contract tests measure ~2e-7)
 BF16_ATOL = 1e-2  # bf16 keeps 8 significant bits; ranks round in another order than one process
 
 
 @pytest.fixture(params=[2, 3], scope="module", ids=lambda n: f"N={n}")
 def ranks(request):
-    return request.param, worker_reports(WORKER, request.param)
+    return request.param, case_reports("stage3_reads", request.param)
 
 
 def refusal(name: str, unit: str, op: str) -> str:

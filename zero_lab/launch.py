@@ -27,7 +27,7 @@ re-exported here, so a script and a notebook import from one place):
 
 In a notebook, `%load_ext zero_lab.launch` adds the cell magic `%%rank_script PATH`, which saves
 the cell as the worker script PATH (like %%writefile, line read the same way, without its
-"Writing PATH" line).
+"Writing PATH" line, and replacing the file whole: a rank reading it never sees it half written).
 
 Why a launch failed, and which rank to blame, is worked out in `zero_lab.launch_failures`.
 """
@@ -305,12 +305,31 @@ def rank_script(line: str, cell: str) -> None:
     %%writefile does the same and prints "Writing PATH" / "Overwriting PATH" every time; the
     cell already shows the code, and the kernel never runs a rank script: torchrun's ranks do.
     The line is read as %%writefile reads it: quotes around a path with spaces, ~ for the
-    home folder, -a to append; anything else on the line is refused.
+    home folder, -a to append; anything else on the line is refused. Unlike %%writefile, the
+    script is replaced whole (see `_replace_file`).
     """
     path, append = _script_path(line)
     path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("a" if append else "w", encoding="utf-8") as f:
-        f.write(cell)
+    kept = path.read_text(encoding="utf-8") if append and path.exists() else ""
+    _replace_file(path, kept + cell)
+
+
+def _replace_file(path: Path, text: str) -> None:
+    """Write `text` to a new file beside `path`, then rename it over `path` (one atomic step).
+
+    The ranks of another launch may be reading the script right now (two kernels running one
+    notebook, as a test and nbval can): rewritten in place, they could read it truncated or
+    half written; renamed over, they read the old text or the new. A failed write leaves the
+    old script and no temporary file.
+    """
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+    try:
+        with temporary.open("x", encoding="utf-8") as f:  # "x": never someone else's file
+            f.write(text)
+        os.replace(temporary, path)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            temporary.unlink()  # still there only if the write or the rename failed
 
 
 def _script_path(line: str) -> tuple[Path, bool]:

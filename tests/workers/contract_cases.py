@@ -1,4 +1,5 @@
-"""Per-rank worker for tests/test_contract.py: the edges of the contract torch users know.
+"""Per-rank cases for tests/test_contract.py: the edges of the contract torch users know
+(tests/workers/world_cases.py runs `run` in the launch it shares with the other workers).
 
 Each case trains a model at one stage with a loop that exercises one habit of plain PyTorch,
 and runs the same loop in one process on the global batch (rank 0's initialisation, plain
@@ -164,7 +165,7 @@ SCENARIOS = {  # name: (model, batch, optimizer function, loop, stages)
 }
 
 
-def run(scenario: str, stage: int, rank: int, world: int) -> dict:
+def run_scenario(scenario: str, stage: int, rank: int, world: int) -> dict:
     make_model, batch, make_opt, loop, _ = SCENARIOS[scenario]
     torch.manual_seed(SEED + rank)  # shard() must start every rank from rank 0's weights
     model = make_model()
@@ -278,15 +279,21 @@ def disagreements(rank: int, world: int) -> dict:
     }
 
 
-def main() -> None:
-    info = init_worker()
-    cases = [run(name, stage, info.rank, info.world_size)
+def run(rank: int, world: int) -> dict:
+    """Every case on this rank; the report tests/test_contract.py reads."""
+    cases = [run_scenario(name, stage, rank, world)
              for name, (*_, stages) in SCENARIOS.items() for stage in stages]
-    refused = {stage: unused_refused(stage, info.rank, info.world_size) for stage in range(4)}
-    precisions = [precision_run(stage, precision, info.rank, info.world_size)
+    refused = {stage: unused_refused(stage, rank, world) for stage in range(4)}
+    precisions = [precision_run(stage, precision, rank, world)
                   for stage in range(4) for precision in ("bf16", "fp16")]
-    report({"cases": cases, "refused": refused, "precisions": precisions,
-            "disagree": disagreements(info.rank, info.world_size)})
+    return {"cases": cases, "refused": refused, "precisions": precisions,
+            "disagree": disagreements(rank, world)}
+
+
+def main() -> None:
+    """This worker alone, e.g. to debug it: torchrun("tests/workers/contract_cases.py", nproc=2)."""
+    info = init_worker()
+    report(run(info.rank, info.world_size))
 
 
 if __name__ == "__main__":

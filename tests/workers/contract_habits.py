@@ -1,4 +1,4 @@
-"""Per-rank worker for tests/test_contract_habits.py: the loops people write in real training
+"""Per-rank cases for tests/test_contract_habits.py: the loops people write in real training
 code, at every stage, against one process on the global batch (issue 21, "round two").
 
 Each case returns what it observed; a case that raises reports the error's text instead, so
@@ -531,20 +531,27 @@ CASES = {
 }
 
 
-def run_cases(cases: dict) -> None:
-    """One launch, every case: each reports what it observed, or its error's text."""
-    info = init_worker()
+def run_cases(cases: dict, rank: int, world: int) -> dict:
+    """Every case on this rank: what each observed, or its error's text."""
     results = {}
     for name, case in cases.items():
         try:
-            results[name] = case(info.rank, info.world_size)
+            results[name] = case(rank, world)
         except Exception as exc:  # noqa: BLE001 - reported, the test says which case
             results[name] = {"error": f"{type(exc).__name__}: {exc}"}
-    report(results)
+    return results
+
+
+def run(rank: int, world: int) -> dict:
+    """Every case on this rank; the report tests/test_contract_habits.py reads
+    (tests/workers/world_cases.py runs it in the launch it shares with the other workers)."""
+    return run_cases(CASES, rank, world)
 
 
 def main() -> None:
-    run_cases(CASES)
+    """This worker alone, to debug it: torchrun("tests/workers/contract_habits.py", nproc=2)."""
+    info = init_worker()
+    report(run(info.rank, info.world_size))
 
 
 if __name__ == "__main__":

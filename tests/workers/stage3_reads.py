@@ -1,4 +1,4 @@
-"""Per-rank worker for tests/test_stage3_reads.py: stage 3, a parameter read outside its
+"""Per-rank cases for tests/test_stage3_reads.py: stage 3, a parameter read outside its
 unit's call (issue 21, point 4), against one process on the global batch.
 
 Each case returns what it observed; a case that raises reports the error's text instead, so
@@ -38,6 +38,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zero_lab import checkpoint as zero_checkpoint
 from zero_lab import workloads as W
+from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 
@@ -279,8 +280,16 @@ CASES = {
 }
 
 
+def run(rank: int, world: int) -> dict:
+    """Every case on this rank; the report tests/test_stage3_reads.py reads
+    (tests/workers/world_cases.py runs it in the launch it shares with the other workers)."""
+    return run_cases(CASES, rank, world)
+
+
 def main() -> None:
-    run_cases(CASES)
+    """This worker alone, e.g. to debug it: torchrun("tests/workers/stage3_reads.py", nproc=2)."""
+    info = init_worker()
+    report(run(info.rank, info.world_size))
 
 
 if __name__ == "__main__":

@@ -1,14 +1,15 @@
 """One launch per world size for the case workers: the collectives (N > 1), stages 0-2,
-stage 3 and hybrid sharding (N = 4) cases, each reported under its own key.
+stage 3, the knobs (recompute and precision, accumulation, hybrid sharding at N = 4) and the
+contract's edges, habits and stage-3 reads (N = 2, 3), each reported under its own key.
 
 A launch costs seconds before a rank runs anything (torchrun's agent and every rank import
-torch; 8-12 s at N = 4 on two cores): sharing it saves two of every three. The parts run in
+torch; 8-12 s at N = 4 on two cores): sharing it saves all of them but one. The parts run in
 turn in one process group and keep their own random seeds, so each computes what it computed
 alone. A part that raises fails the launch, and with it every test of that world size, with
-its rank's traceback (catching it would leave the other ranks waiting in a collective).
+its rank's traceback (catching it would leave the other ranks waiting in a collective); the
+contract parts catch what their cases raise on purpose, every rank alike, and report it.
 
-    {"collectives": ..., "stages": ..., "zero3": ..., "hsdp": ...}   read by tests/common.py
-                                                                  case_reports
+    {"collectives": ..., "stages": ..., "zero3": ..., ...}   read by tests/common.py case_reports
 """
 
 from __future__ import annotations
@@ -17,28 +18,38 @@ import gc
 
 import accumulation_cases
 import collectives_cases
+import contract_cases
+import contract_habits
 import hsdp_cases
 import recompute_cases
+import stage3_reads
 import stage_cases
 import zero3_cases
 
 from zero_lab.launch import init_worker, report
 
-PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs at)
+PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs at[, the largest])
     "collectives": (collectives_cases.run, 2),
     "stages": (stage_cases.run, 1),
     "zero3": (zero3_cases.run, 1),
     "recompute": (recompute_cases.run, 2),  # and the precision policy; N = 2 and 4 only
     "accumulation": (accumulation_cases.run, 2),
     "hsdp": (hsdp_cases.run, 4),  # hybrid sharding on a 2 x 2 mesh
+    "contract": (contract_cases.run, 2, 3),
+    # before contract_habits: its lockstep case raises inside opt.step() on the last rank
+    # only, which leaves that rank's count of running optimizer steps up (stages/at_rest.py:
+    # a step that raised never ends), and a read at rest under no_grad then passes there
+    # while the other ranks refuse it: stage3_reads' refusals would hang the launch.
+    "stage3_reads": (stage3_reads.run, 2, 3),
+    "contract_habits": (contract_habits.run, 2, 3),
 }
 
 
 def main() -> None:
     info = init_worker()
     out = {}
-    for key, (run, min_world) in PARTS.items():
-        if info.world_size >= min_world:
+    for key, (run, smallest, *largest) in PARTS.items():
+        if smallest <= info.world_size <= min(largest, default=info.world_size):
             out[key] = run(info.rank, info.world_size)
             gc.collect()  # the next part's live-tensor walks start from what it makes
     report(out)
