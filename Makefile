@@ -45,9 +45,10 @@ figures: setup ## run, then copy the figures the notebooks saved into figures/
 BROWSER_NOTEBOOKS := notebooks/00_setup.ipynb notebooks/01_memory_accounting.ipynb
 NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*.ipynb))
 
-# pytest and nbval run at the same time, one process each (the two cores stay busy until both
-# end: about 4 minutes less than one after the other). nbval writes to NBVAL_LOG, shown when
-# pytest ends, so neither's lines break the other's (`tail -f runs/nbval.log` to watch it).
+# pytest and nbval run at the same time, one process each: nbval's work fills the cores while
+# pytest waits on launches and timeouts, instead of starting after it. nbval writes to
+# NBVAL_LOG, shown when pytest ends, so neither's lines break the other's (`tail -f
+# runs/nbval.log` to watch it).
 # Either failing fails `make test`. What both could write is kept apart: the tests save figures
 # in a folder of their own (tests/conftest.py), %%rank_script replaces a worker script whole,
 # and no two notebooks save the same one (tests/test_notebook_cells.py).

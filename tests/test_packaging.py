@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 from pathlib import Path
 
@@ -102,13 +104,22 @@ def run_make_test(makefile: Path, tmp_path: Path, pytest_status: int, nbval_stat
     (venv / "bin" / "ruff").write_text("#!/bin/sh\nexit 0\n")
     for tool in (venv / "bin").iterdir():
         tool.chmod(0o755)
-    env = {**os.environ, "FAKE_MARKS": str(marks),
-           "FAKE_STATUS": f"pytest={pytest_status} nbval={nbval_status}"}
-    out = subprocess.run(
+    # A make of its own: under `make test`, MAKEFLAGS would hand it the outer make's command-line
+    # variables (PY=... would run the real pytest on tests/ again, and again).
+    env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
+    env |= {"FAKE_MARKS": str(marks), "FAKE_STATUS": f"pytest={pytest_status} nbval={nbval_status}"}
+    make = subprocess.Popen(
         ["make", "-s", "-f", str(makefile), "-o", f"{venv}/.installed", "test", f"VENV={venv}",
          f"NBVAL_LOG={tmp_path / 'nbval.log'}", "ENSURE_CHROMIUM=true"],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
-    return out.returncode, out.stdout + out.stderr
+        cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)  # a group of its own: on a timeout, all of it is stopped
+    try:
+        shown, _ = make.communicate(timeout=60)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(make.pid, signal.SIGKILL)
+        make.wait()
+    return make.returncode, shown
 
 
 def make_test_contract(makefile: Path, tmp_path: Path) -> list[str]:
