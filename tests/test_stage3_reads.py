@@ -7,6 +7,8 @@ the read, naming the parameter and its unit; what worked keeps training as one p
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from common import case_reports
@@ -141,6 +143,36 @@ def test_the_guard_refuses_reads_and_lets_looks_updates_and_optimizers_through()
     assert p.norm().item() == pytest.approx(6 ** 0.5)
     at_rest.wake(p)
     assert type(p) is nn.Parameter
+
+
+def test_a_step_that_raised_does_not_leave_reads_allowed():
+    """A torch optimizer step that raises never reaches its post-hook. It used to leave a
+    count of running steps up for good: every later read under no_grad passed (in a shared
+    launch, on one rank only, so the ranks disagreed and hung). Now that optimizer's next
+    step that ends closes it."""
+    _ = resting(torch.arange(3.0), (2, 3))  # the guard's hooks are installed
+    p = resting(torch.arange(3.0), (2, 3))
+    broken = nn.Parameter(torch.zeros(3))
+    broken.grad = torch.zeros(3)
+    sgd = torch.optim.SGD([broken], lr=0.1)
+    sgd.param_groups[0]["lr"] = "not a number"  # the step raises inside
+    with pytest.raises(TypeError):
+        sgd.step()
+    sgd.param_groups[0]["lr"] = 0.1
+    sgd.step()  # the same optimizer steps again, and this time ends
+    with torch.no_grad(), pytest.raises(RuntimeError, match="outside its unit's call"):
+        p.norm()
+    # ... or the optimizer whose step raised is gone (a case that ends, a loop that moves on)
+    gone = torch.optim.SGD([broken], lr=0.1)
+    gone.param_groups[0]["lr"] = "not a number"
+    try:
+        gone.step()
+    except TypeError:
+        pass  # (pytest.raises would keep the traceback, and with it the optimizer)
+    del gone
+    gc.collect()
+    with torch.no_grad(), pytest.raises(RuntimeError, match="outside its unit's call"):
+        p.norm()
 
 
 def test_assert_refused_rejects_what_the_reads_did_before():

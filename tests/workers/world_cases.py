@@ -37,9 +37,9 @@ PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs 
     "hsdp": (hsdp_cases.run, 4),  # hybrid sharding on a 2 x 2 mesh
     "contract": (contract_cases.run, 2, 3),
     # before contract_habits: its lockstep case raises inside opt.step() on the last rank
-    # only, which leaves that rank's count of running optimizer steps up (stages/at_rest.py:
-    # a step that raised never ends), and a read at rest under no_grad then passes there
-    # while the other ranks refuse it: stage3_reads' refusals would hang the launch.
+    # only; that optimizer's step never ends (stages/at_rest.py forgets it once it is gone),
+    # and while it lives a read at rest under no_grad passes there while the other ranks
+    # refuse it: stage3_reads' refusals would hang the launch.
     "stage3_reads": (stage3_reads.run, 2, 3),
     "contract_habits": (contract_habits.run, 2, 3),
 }

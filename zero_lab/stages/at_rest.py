@@ -58,6 +58,7 @@ A parameter of a class of one's own (a subclass of nn.Parameter) is not guarded.
 from __future__ import annotations
 
 import math
+import weakref
 from types import MethodWrapperType
 
 import torch
@@ -118,7 +119,11 @@ def wake(p: nn.Parameter) -> None:
 
 
 # ------------------------------------------------------------------ what passes
-_steps_running = 0  # torch optimizer steps begun and not yet ended
+# The torch optimizers whose step has begun and not ended. A set, not a count: a step that
+# raises never reaches its post-hook, and a count would stay up for good (every later read
+# under no_grad passing, on that rank only); in the set, that optimizer's next step that ends
+# closes it, and a weak set forgets an optimizer that is gone.
+_stepping: weakref.WeakSet = weakref.WeakSet()
 
 
 def _allowed(func, args) -> bool:
@@ -128,7 +133,7 @@ def _allowed(func, args) -> bool:
         return True
     if torch.is_grad_enabled():  # autograd would record a read of the piece
         return False
-    return _steps_running > 0 or _writes_in_place(func, args)
+    return bool(_stepping) or _writes_in_place(func, args)
 
 
 def _writes_in_place(func, args) -> bool:
@@ -142,16 +147,12 @@ def _writes_in_place(func, args) -> bool:
     return isinstance(target, ParameterAtRest)
 
 
-def _step_begins(*_args) -> None:
-    global _steps_running
-    _steps_running += 1
+def _step_begins(optimizer, *_args) -> None:
+    _stepping.add(optimizer)
 
 
-def _step_ends(*_args) -> None:
-    # A step that raised never ends: its count stays up (no-grad reads pass) until a later
-    # step of any optimizer ends, which brings the count back.
-    global _steps_running
-    _steps_running = max(0, _steps_running - 1)
+def _step_ends(optimizer, *_args) -> None:
+    _stepping.discard(optimizer)
 
 
 _HOOKS: list = []
