@@ -17,6 +17,7 @@ from contextlib import nullcontext
 
 import torch
 import torch.distributed as dist
+from stage_cases import error_message
 
 from zero_lab import checkpoint
 from zero_lab import workloads as W
@@ -173,14 +174,6 @@ def keep_gathered_habits(rank: int, world: int, ref_state: dict) -> dict:
     a, b = full_state_dict(model), full_state_dict(fresh)
     out["after_resume_diff"] = max((a[n] - b[n]).abs().max().item() for n in a)
     return out
-
-
-def error_message(fn) -> str:
-    try:
-        fn()
-    except Exception as exc:  # noqa: BLE001 - the message is what is tested
-        return f"{type(exc).__name__}: {exc}"
-    return "no error"
 
 
 def refusals(rank: int) -> dict:
