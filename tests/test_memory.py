@@ -542,12 +542,12 @@ def test_parse_count():
 def test_the_calculator_speaks_shards_precision_names(name):
     """shard() accepts "bf16" and "fp16" (16-bit compute, fp32 masters): the calculator counts
     them as the mixed precision they are, and both modules name the same choices."""
-    from zero_lab import stages
+    from zero_lab.stages import refusals  # what shard() checks its precision against
 
     assert memory.model_state_bytes(7.5e9, 3, 64, precision=name) == \
         memory.model_state_bytes(7.5e9, 3, 64, precision="mixed")
     assert memory.bytes_per_param(name)["total"] == 16
-    assert stages.PRECISIONS == memory.PRECISIONS
+    assert refusals.PRECISIONS == memory.PRECISIONS
 
 
 @pytest.mark.parametrize("text, count", [("7.6b", 7.6e9), ("340m", 3.4e8), (" 1.5T ", 1.5e12)])
