@@ -191,7 +191,7 @@ def test_exposed_matches_removal_judges_only_the_loads_its_band_was_measured_for
     assert checks.check_exposed_matches_removal(exposed, removed, load_per_core=8.0) is None
     _fails(checks.check_exposed_matches_removal, exposed, removed, load_per_core=2.0,
            match=r"\(1\.97\)")
-    assert checks.check_exposed_matches_removal(*_ab(lambda e, h: e), load_per_core=2.9) > 1
+    assert checks.check_exposed_matches_removal(*_ab(lambda e, h: e), load_per_core=3.9) > 1
 
 
 def test_exposed_matches_removal_mutant_from_a_trace():

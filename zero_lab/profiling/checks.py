@@ -99,9 +99,10 @@ AB_LOW, AB_HIGH = 0.7, 1.8
 # tests beside the recording), the right analysis reached 1.61, 1.68 and 1.97: there a core
 # runs four programs in turn, a collective's thread waits its turn after every message, and
 # that wait is counted exposed, while the twin sends nothing and never waits. Two busy
-# processes beside a 2-rank run make about 2 per core (the soak's load). Above
-# AB_LOAD_PER_CORE the check says the machine was too busy to judge, and does not.
-AB_LOAD_PER_CORE = 3.0
+# processes beside a 2-rank run make about 3 per core with the notebook's kernel and nbval
+# (5.7 on 2 cores, measured during a soak), and every run below 6.5 per core stayed in the
+# band. Above AB_LOAD_PER_CORE the check says the machine was too busy to judge, and does not.
+AB_LOAD_PER_CORE = 4.0
 
 
 def exposed_removed_ratio(exposed: dict[str, float], removed: dict[str, float]) -> float:
