@@ -194,6 +194,20 @@ def test_exposed_matches_removal_judges_only_the_loads_its_band_was_measured_for
     assert checks.check_exposed_matches_removal(*_ab(lambda e, h: e), load_per_core=3.9) > 1
 
 
+def test_exposed_matches_removal_on_a_quiet_run_fails_hidden_counted_as_exposed():
+    """The quietest recorded run (2.1 per core; ms: removed, exposed, hidden per stage), where
+    the hidden part is smallest: right 1.07, counting hidden as exposed 1.79."""
+    quiet = {"stage0": (26.4, 26.1, 21.5), "stage1": (39.7, 36.9, 7.3),
+             "stage2": (26.5, 29.2, 29.8), "stage3": (52.3, 62.3, 45.6)}
+    removed = {s: v[0] * 1e3 for s, v in quiet.items()}
+    ratio = checks.check_exposed_matches_removal({s: v[1] * 1e3 for s, v in quiet.items()},
+                                                 removed, load_per_core=2.1)
+    assert ratio == pytest.approx(1.07, abs=0.005)
+    _fails(checks.check_exposed_matches_removal,
+           {s: (v[1] + v[2]) * 1e3 for s, v in quiet.items()}, removed, load_per_core=2.1,
+           match=r"\(1\.79\)")
+
+
 def test_exposed_matches_removal_mutant_from_a_trace():
     """The mutant analysis run on a trace: a stage whose communication is half hidden,
     measured as costing only its exposed half."""
