@@ -42,11 +42,14 @@ figures: setup ## run, then copy the figures the notebooks saved into figures/
 # tests/test_browser.py runs these notebooks cell by cell in JupyterLab and fails on any error
 # output (and on a cell left unrun): where Chromium is on PATH it does, so nbval runs the others
 # and each notebook runs once; without Chromium the browser test skips and nbval runs them all.
+BROWSER_TESTS := tests/test_browser.py
 BROWSER_NOTEBOOKS := notebooks/00_setup.ipynb notebooks/01_memory_accounting.ipynb
 NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*.ipynb))
 
 # pytest and nbval run at the same time, one process each: nbval's work fills the cores while
-# pytest waits on launches and timeouts, instead of starting after it. nbval writes to
+# pytest waits on launches and timeouts, instead of starting after it. The browser test runs
+# in nbval's process, after the notebooks (it is notebooks too): measured on 2 cores, pytest
+# took 655 s and nbval 492 s, so its ~80 s make the two end together. nbval writes to
 # NBVAL_LOG, shown when pytest ends, so neither's lines break the other's (`tail -f
 # runs/nbval.log` to watch it).
 # Either failing fails `make test`. What both could write is kept apart: the tests save figures
@@ -60,15 +63,15 @@ test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 	@$(ENSURE_CHROMIUM)
 	@mkdir -p $(dir $(NBVAL_LOG))
 	@if command -v chromium >/dev/null 2>&1; then \
-	    echo "nbval: $(BROWSER_NOTEBOOKS) run in tests/test_browser.py"; \
+	    echo "nbval: $(BROWSER_NOTEBOOKS) run in $(BROWSER_TESTS)"; \
 	    set -- $(NBVAL_BESIDE_BROWSER); else set -- notebooks/; fi; \
-	echo "$(PY) -m pytest --nbval-lax -p no:cacheprovider $$* >$(NBVAL_LOG) (beside pytest)"; \
-	$(PY) -m pytest --nbval-lax -p no:cacheprovider "$$@" >$(NBVAL_LOG) 2>&1 & nbval=$$!; \
+	echo "$(PY) -m pytest --nbval-lax -p no:cacheprovider $$* $(BROWSER_TESTS) >$(NBVAL_LOG) (beside pytest)"; \
+	$(PY) -m pytest --nbval-lax -p no:cacheprovider "$$@" $(BROWSER_TESTS) >$(NBVAL_LOG) 2>&1 & nbval=$$!; \
 	trap 'kill $$nbval 2>/dev/null' INT TERM; \
-	echo "$(PY) -m pytest tests"; \
-	$(PY) -m pytest tests; tests=$$?; \
+	echo "$(PY) -m pytest tests --ignore=$(BROWSER_TESTS)"; \
+	$(PY) -m pytest tests --ignore=$(BROWSER_TESTS); tests=$$?; \
 	wait $$nbval; notebooks=$$?; \
-	echo "==================== nbval, run beside pytest ($(NBVAL_LOG)) ===================="; \
+	echo "============= nbval and the browser test, run beside pytest ($(NBVAL_LOG)) ============="; \
 	cat $(NBVAL_LOG); \
 	[ $$tests -eq 5 ] && tests=0; [ $$notebooks -eq 5 ] && notebooks=0; \
 	echo "make test: pytest exit status $$tests, nbval exit status $$notebooks"; \

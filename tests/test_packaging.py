@@ -89,6 +89,7 @@ touch "$FAKE_MARKS/$me"
 i=0; while [ ! -e "$FAKE_MARKS/$other" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
 [ -e "$FAKE_MARKS/$other" ] && seen=yes || seen=no
 echo "$me ran, saw $other running: $seen"
+echo "$me args: $*"
 for kv in $FAKE_STATUS; do [ "${kv%%=*}" = "$me" ] && exit "${kv#*=}"; done
 """
 
@@ -124,7 +125,8 @@ def run_make_test(makefile: Path, tmp_path: Path, pytest_status: int, nbval_stat
 
 def make_test_contract(makefile: Path, tmp_path: Path) -> list[str]:
     """What `make test` of `makefile` gets wrong: pytest and nbval must run at the same time,
-    nbval's output come after pytest's, and the target fail when either fails (pytest's 5,
+    nbval's output come after pytest's, the browser test run in nbval's process and not in
+    pytest's, and the target fail when either fails (pytest's 5,
     nothing collected, is no failure). Stops at the first case it gets wrong."""
     for pytest_status, nbval_status, passes in [(0, 0, True), (1, 0, False), (0, 1, False),
                                                 (5, 5, True), (5, 2, False), (2, 5, False)]:
@@ -137,6 +139,11 @@ def make_test_contract(makefile: Path, tmp_path: Path) -> list[str]:
             return [f"{case}: not at the same time", shown]
         if not 0 <= shown.find("pytest ran") < shown.find("nbval ran"):
             return [f"{case}: nbval's lines not after pytest's", shown]
+        # The browser test runs once, in nbval's process (it balances the two: Makefile).
+        args = dict(line.split(" args: ", 1) for line in shown.splitlines() if " args: " in line)
+        if "tests/test_browser.py" not in args.get("nbval", "").split() or \
+                "--ignore=tests/test_browser.py" not in args.get("pytest", "").split():
+            return [f"{case}: the browser test is not run beside pytest, once", shown]
     return []
 
 
@@ -148,6 +155,7 @@ def test_make_test_runs_pytest_beside_nbval_and_fails_if_either_fails(tmp_path):
     ("& nbval=$$!;", "; nbval=$$!;"),                              # nbval first, then pytest
     ("[ $$tests -eq 0 ] && [ $$notebooks -eq 0 ]", "[ $$tests -eq 0 ]"),  # nbval's failure lost
     ("wait $$nbval; notebooks=$$?;", "notebooks=0;"),               # nbval not waited for
+    (" tests --ignore=$(BROWSER_TESTS);", " tests;"),                 # the browser test twice
 ])
 def test_a_make_test_that_breaks_the_contract_is_caught(tmp_path, mutant):
     text = (ROOT / "Makefile").read_text()
