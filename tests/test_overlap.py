@@ -10,8 +10,10 @@ import pytest
 
 from tests.common import case_reports
 
-FP32_ATOL = 1e-4  # as tests/test_stages.py: 3 Adam steps of float32 rounding
-STALE = 1e-3  # a reader that did not wait is off by about one step of Adam (lr 1e-2)
+FP32_ATOL = 1e-6  # as tests/test_stages.py (Adam with eps 1e-6, lr 1e-3: measured ~2e-7)
+READ_ATOL = 2e-5  # the readers' runs use lr 1e-2: float32 drift ~3e-6 (overlap_cases.py)
+STALE = 3e-4  # a reader that did not wait is off by about a step of Adam (lr 1e-2; its next
+#               forward's loss by ~7e-4)
 PARAM_READERS = ("forward", "full_state_dict", "state_dict", "wait_for_params",
                  "checkpoint_load")
 GRAD_READERS = ("clip_grad_norm_", "wait_for_grads")
@@ -55,12 +57,12 @@ def test_every_reader_waits_for_the_collectives_in_flight():
     for variant in ("stage1_param_gather", "stage2_param_gather"):
         right, mutant = readers[variant], readers[f"{variant}-mutant"]
         for reader in PARAM_READERS:
-            assert right[reader] <= FP32_ATOL, (variant, reader, right[reader])
+            assert right[reader] <= READ_ATOL, (variant, reader, right[reader])
             assert mutant[reader] > STALE, (variant, reader, "the mutant read right")
-        assert right["step_again"] <= FP32_ATOL, variant
+        assert right["step_again"] <= READ_ATOL, variant
     for variant in ("stage1_all", "stage2_all"):
         right, mutant = readers[variant], readers[f"{variant}-mutant"]
         for reader in GRAD_READERS:
-            assert right[reader] <= FP32_ATOL, (variant, reader, right[reader])
+            assert right[reader] <= READ_ATOL, (variant, reader, right[reader])
             assert mutant[reader] > STALE, (variant, reader, "the mutant read right")
-        assert right["checkpoint_save"] <= FP32_ATOL, variant
+        assert right["checkpoint_save"] <= READ_ATOL, variant

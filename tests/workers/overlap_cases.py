@@ -72,15 +72,22 @@ class WithUnused(nn.Module):
 MODELS = {"mlp": lambda: W.deep_mlp(WIDTH, 3), "unused": WithUnused}
 
 
-def adam(params):
-    return torch.optim.Adam(params, lr=1e-2)
+# Adam divides by sqrt(v) + eps: with eps = 1e-8 an element whose gradient is rounding noise
+# moves by up to lr, so float32 sums in another order drift by ~1e-5 in 3 steps (measured);
+# eps = 1e-6 keeps that drift at ~2e-7 for the equivalence cases (lr 1e-3). The readers use
+# lr 1e-2: a reader that did not wait is then off by ~1e-2, far above the ~3e-6 drift.
+EQUIVALENCE_LR, READERS_LR = 1e-3, 1e-2
+
+
+def adam(lr: float):
+    return lambda params: torch.optim.Adam(params, lr=lr, eps=1e-6)
 
 
 def global_batch(step: int):
     return W.mlp_batch(step, GLOBAL_BATCH, WIDTH)
 
 
-def make(variant: str, config: str, rank: int):
+def make(variant: str, config: str, rank: int, lr: float = READERS_LR):
     """(sharded model, optimizer, reference model, reference optimizer)."""
     stage, options = VARIANTS[variant]
     model_name, _, _, precision, unused = CONFIGS[config]
@@ -88,12 +95,12 @@ def make(variant: str, config: str, rank: int):
     model = MODELS[model_name]()
     torch.manual_seed(SEED)
     ref = MODELS[model_name]()
-    model, opt = shard(model, stage, adam, bucket_mb=BUCKET_MB, precision=precision,
+    model, opt = shard(model, stage, adam(lr), bucket_mb=BUCKET_MB, precision=precision,
                        find_unused_parameters=unused, **options)
     if precision == "fp32":
-        ref_opt = adam([p for p in ref.parameters() if p.requires_grad])
+        ref_opt = adam(lr)([p for p in ref.parameters() if p.requires_grad])
     else:
-        ref, ref_opt = mixed_precision_reference(ref, adam)
+        ref, ref_opt = mixed_precision_reference(ref, adam(lr))
     return model, opt, ref, ref_opt
 
 
@@ -115,7 +122,7 @@ def state_of(model, opt, mixed: bool) -> dict:
 
 def equivalence_case(variant: str, config: str, rank: int, world: int) -> dict:
     _, k, clip, precision, _ = CONFIGS[config]
-    model, opt, ref, ref_opt = make(variant, config, rank)
+    model, opt, ref, ref_opt = make(variant, config, rank, EQUIVALENCE_LR)
     for step in range(STEPS):
         train_step(model, opt, W.rank_slice(global_batch(step), rank, world), k, clip)
         # one process on the whole batch (mixed precision: the same micro-batches' recipe)

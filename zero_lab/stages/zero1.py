@@ -18,6 +18,19 @@ When each collective fires:
 Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, the same as plain data
 parallelism, for N times less optimizer memory (ZeRO paper, section 7.2.1).
 
+Hiding it (shard()'s options, Megatron-LM's names; the same bytes, sent at other times):
+- `overlap_grad_reduce=True`: step 2 moves into backward. A bucket's reduce-scatter starts
+  as soon as its last gradient is in the buffer, with stage 2's queue of buckets in flight
+  (in_flight.py), while autograd goes on with earlier layers; backward's end waits for the
+  last ones. The full buffer stays (it is stage 1's), so no limit on buckets in flight.
+- `overlap_param_gather=True`: step 3's all-gathers are only issued; the next forward waits
+  for each bucket in a pre-hook of the modules owning it (param_gather.py, which also lists
+  what else waits, and why a raw read of a parameter after step needs
+  `model.wait_for_params()`).
+- `overlap_step=True` (with overlap_grad_reduce): backward's end leaves the last
+  reduce-scatters in flight; `opt.step()` updates each bucket as its slice lands and issues
+  its all-gather at once.
+
 Gradient accumulation: after one backward, rank r's owned slice holds the averaged gradient
 R, and a second backward adds its local gradient L_r on top. Averaging R + L_r with the other
 ranks' L_s would divide R by N again. So from the second backward on, gradients are divided

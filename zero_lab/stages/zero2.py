@@ -17,6 +17,10 @@ of about `bucket_mb` megabytes).
    now holds its slice of the averaged gradient, added to what earlier backward calls left
    there (gradient accumulation).
 4. `opt.step()` updates the owned slice and all-gathers it, one collective per bucket.
+   With `overlap_param_gather=True` it only issues them: the next forward waits for each
+   bucket in a pre-hook of the modules owning it (param_gather.py). With `overlap_step=True`
+   step 3 waits for nothing: `opt.step()` updates each bucket as soon as its slice lands and
+   issues that bucket's all-gather at once (what reads gradients first waits: in_flight.py).
 
 Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, as stage 0 and stage 1.
 
