@@ -147,6 +147,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
     # Hiding the communication (stages/param_gather.py, in_flight.py): the same bytes, sent
     # under the next forward (the all-gather) and during backward (stage 1's reduce-scatter);
     # "_step" also updates each bucket as soon as its gradient lands.
+    System("stage1_grad_reduce", "zero_lab stage 1, overlap_grad_reduce",
+           partial(build_zero_lab, stage=1, overlap_grad_reduce=True),
+           "zero_lab st. 1\nreduce in bwd"),
     System("stage1_overlap", "zero_lab stage 1, overlap_param_gather + overlap_grad_reduce",
            partial(build_zero_lab, stage=1, overlap_param_gather=True,
                    overlap_grad_reduce=True), "zero_lab st. 1\noverlapped"),

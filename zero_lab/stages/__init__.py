@@ -104,7 +104,7 @@ def shard(
     reshard_after_forward: bool = True,
     mesh=None,
     overlap_param_gather: bool = False,
-    overlap_grad_reduce: bool = False,
+    overlap_grad_reduce: bool | None = None,
     overlap_step: bool = False,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
@@ -158,24 +158,26 @@ def shard(
     replicated across the groups; all-gathers stay inside a group, gradients are
     reduce-scattered inside it and their slices all-reduced across; the CommLedger records
     each collective's level.
-    Hiding the communication (Megatron-LM's names; the bytes sent are the same):
-    `overlap_param_gather` (stages 1-2): `opt.step()` only issues the all-gathers of the
-    updated slices; each bucket is waited for by the forward of the first module that owns
-    its parameters (param_gather.py: what waits, and `model.wait_for_params()` before a raw
-    read of a parameter). `overlap_grad_reduce` (stage 1; stages 0 and 2 always do it):
-    reduce-scatter each bucket during backward as soon as its gradients are in, keeping the
-    full gradient buffer. `overlap_step` (stages 1-2; at stage 1 with overlap_grad_reduce):
-    backward's end leaves the last reduce-scatters in flight and `opt.step()` updates each
-    bucket as soon as its gradient lands (and issues its all-gather); whatever reads the
-    gradients first (clip_grad_norm_, checkpoint.save, `opt.wait_for_grads()` before reading
-    a step parameter's .grad) waits. Needs an initialised default
+    Hiding the communication (Megatron-LM's names; the bytes sent are the same; all off by
+    default): `overlap_param_gather` (stages 1-2): `opt.step()` only issues the all-gathers
+    of the updated slices; each bucket is waited for by the forward of the modules that own
+    its parameters (param_gather.py: what else waits, and `model.wait_for_params()` before
+    a raw read of a parameter between step and forward, which would be stale).
+    `overlap_grad_reduce=True` (stage 1; stages 0, 2 and 3 always do it): reduce-scatter
+    each bucket during backward as soon as its gradients are in, keeping the full gradient
+    buffer. `overlap_step` (stages 1-2; at stage 1 with overlap_grad_reduce): backward's end
+    leaves the last reduce-scatters in flight and `opt.step()` updates each bucket as soon
+    as its gradient lands and issues its all-gather; whatever reads gradients first waits
+    (clip_grad_norm_, checkpoint.save; `opt.wait_for_grads()` before a read of your own).
+    Needs an initialised default
     process group; call it on every rank: the ranks first check they were all given the
     same model and settings (one small all-gather), and refuse together if not.
     """
     check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
                      unit_classes, find_unused_parameters, check_order, root_params)
     check_accumulation_arguments(stage, grad_accumulation, reshard_after_forward)
-    check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduce, overlap_step)
+    overlap_grad_reduce = check_overlap(stage, zero1_variant, overlap_param_gather,
+                                        overlap_grad_reduce, overlap_step)
     if not isinstance(broadcast_buffers, bool):
         raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
     if not isinstance(check_lockstep, bool):

@@ -57,10 +57,14 @@ def check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_vari
 
 
 def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduce,
-                  overlap_step) -> None:
+                  overlap_step) -> bool:
     """shard()'s options that hide communication (param_gather.py, in_flight.py): where each
-    applies. Stage 0 has no all-gather and stages 0 and 2 always reduce during backward;
-    stage 3 gathers before each unit's forward (its prefetch) and steps at rest."""
+    applies. Stage 0 has no all-gather and stages 0, 2 and 3 always reduce during backward;
+    stage 3 gathers before each unit's forward (its prefetch) and steps at rest. Returns
+    overlap_grad_reduce resolved: None means the stage's way (stage 1: when backward ends;
+    reducing during backward measured no faster on 2 CPU cores, see bench_systems.py)."""
+    if overlap_grad_reduce is None:
+        overlap_grad_reduce = stage != 1
     for name, value in (("overlap_param_gather", overlap_param_gather),
                         ("overlap_grad_reduce", overlap_grad_reduce),
                         ("overlap_step", overlap_step)):
@@ -70,10 +74,10 @@ def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduc
         raise ValueError(f"overlap_param_gather applies to stages 1 and 2, not stage {stage} "
                          "(stage 0 sends no all-gather; stage 3 gathers before each unit's "
                          "forward, with prefetch)")
-    if overlap_grad_reduce and stage != 1:
-        raise ValueError(f"overlap_grad_reduce applies to stage 1 only, not stage {stage}: "
-                         "stages 0, 2 and 3 always reduce during backward")
-    if overlap_grad_reduce and zero1_variant != "reduce_scatter":
+    if not overlap_grad_reduce and stage != 1:
+        raise ValueError(f"overlap_grad_reduce=False applies to stage 1 only, not stage "
+                         f"{stage}: stages 0, 2 and 3 always reduce during backward")
+    if overlap_grad_reduce and stage == 1 and zero1_variant != "reduce_scatter":
         raise ValueError("overlap_grad_reduce reduce-scatters during backward: not with "
                          f"zero1_variant={zero1_variant!r}")
     if overlap_step and stage not in (1, 2):
@@ -82,6 +86,7 @@ def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduc
         raise ValueError("overlap_step at stage 1 needs overlap_grad_reduce=True: the "
                          "optimizer steps each bucket as its reduce-scatter lands, which "
                          "only happens when they are sent during backward")
+    return overlap_grad_reduce
 
 
 def refuse_batch_statistics(name: str, module: nn.Module, _args) -> None:
