@@ -70,6 +70,10 @@ def test_held_bytes_follow_each_design(result):
                         ("stage1_overlap_step", 1), ("stage2_overlap", 2),
                         ("stage2_overlap_step", 2)]:
         predicted = model_state_bytes(PSI, stage, 2, precision="fp32")
+        if name == "stage2_overlap_step":
+            # held right after backward, when overlap_step leaves the last reduce-scatters
+            # in flight: no gradient slice has landed yet (they land inside opt.step())
+            predicted = {**predicted, "grads": 0, "total": predicted["total"] - predicted["grads"]}
         for held in systems[name]["held_bytes"]:
             assert {k: held[k] for k in predicted} == predicted, name
     # torch's ZeroRedundancyOptimizer gives whole parameters to ranks: the two optimizer
