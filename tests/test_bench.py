@@ -65,8 +65,15 @@ def test_held_bytes_follow_each_design(result):
     for name, stage in [("ddp", 0), ("stage0", 0), ("stage1", 1), ("stage2", 2), ("stage3", 3),
                         ("stage3_noprefetch", 3), ("stage3_checked", 3), ("fsdp2", 3),
                         ("stage1_torch", 1),
-                        ("stage2_torch", 2), ("stage3_torch", 3)]:
+                        ("stage2_torch", 2), ("stage3_torch", 3),
+                        ("stage1_grad_reduce", 1), ("stage1_overlap", 1),
+                        ("stage1_overlap_step", 1), ("stage2_overlap", 2),
+                        ("stage2_overlap_step", 2)]:
         predicted = model_state_bytes(PSI, stage, 2, precision="fp32")
+        if name == "stage2_overlap_step":
+            # held right after backward, when overlap_step leaves the last reduce-scatters
+            # in flight: no gradient slice has landed yet (they land inside opt.step())
+            predicted = {**predicted, "grads": 0, "total": predicted["total"] - predicted["grads"]}
         for held in systems[name]["held_bytes"]:
             assert {k: held[k] for k in predicted} == predicted, name
     # torch's ZeroRedundancyOptimizer gives whole parameters to ranks: the two optimizer
@@ -76,7 +83,9 @@ def test_held_bytes_follow_each_design(result):
 
 
 def test_bytes_communicated_per_step(result):
-    for name in ("ddp", "stage0", "stage1", "stage2", "stage1_torch", "stage2_torch"):
+    for name in ("ddp", "stage0", "stage1", "stage2", "stage1_torch", "stage2_torch",
+                 "stage1_grad_reduce", "stage1_overlap", "stage1_overlap_step",
+                 "stage2_overlap", "stage2_overlap_step"):  # hidden, not fewer bytes
         for comm in result["systems"][name]["comm"]:
             assert comm["volume"] == 2 * 4 * PSI, name  # the paper's 2Ψ (fp32)
             assert comm["sent_bytes"] == 4 * PSI, name  # ring: 2(N-1)/N x Ψ x 4 bytes

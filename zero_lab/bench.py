@@ -62,6 +62,9 @@ TARGETS: list[tuple[str, str, float]] = [
     ("stage2", "ddp", 1.15),
     ("stage3", "fsdp2", 0.90),
     ("stage3", "ddp", 1.60),
+    # issue 24's goals, for the stages with their communication hidden (reported, not asserted)
+    ("stage1_overlap", "zero_redundancy", 0.80),
+    ("stage2_overlap", "ddp", 0.80),
 ]
 
 

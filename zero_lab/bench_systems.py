@@ -144,6 +144,25 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
            partial(build_zero_lab, stage=3, check_lockstep=False),
            "zero_lab st. 3\nno lockstep check"),
     System("fsdp2", "torch FSDP2 (fully_shard)", build_fsdp2, "torch\nFSDP2"),
+    # Hiding the communication (stages/param_gather.py, in_flight.py): the same bytes, sent
+    # under the next forward (the all-gather) and during backward (stage 1's reduce-scatter);
+    # "_step" also updates each bucket as soon as its gradient lands.
+    System("stage1_grad_reduce", "zero_lab stage 1, overlap_grad_reduce",
+           partial(build_zero_lab, stage=1, overlap_grad_reduce=True),
+           "zero_lab st. 1\nreduce in bwd"),
+    System("stage1_overlap", "zero_lab stage 1, overlap_param_gather + overlap_grad_reduce",
+           partial(build_zero_lab, stage=1, overlap_param_gather=True,
+                   overlap_grad_reduce=True), "zero_lab st. 1\noverlapped"),
+    System("stage1_overlap_step", "zero_lab stage 1, overlapped + overlap_step",
+           partial(build_zero_lab, stage=1, overlap_param_gather=True,
+                   overlap_grad_reduce=True, overlap_step=True),
+           "zero_lab st. 1\noverlap + step"),
+    System("stage2_overlap", "zero_lab stage 2, overlap_param_gather",
+           partial(build_zero_lab, stage=2, overlap_param_gather=True),
+           "zero_lab st. 2\noverlapped"),
+    System("stage2_overlap_step", "zero_lab stage 2, overlapped + overlap_step",
+           partial(build_zero_lab, stage=2, overlap_param_gather=True, overlap_step=True),
+           "zero_lab st. 2\noverlap + step"),
     # The same stages sending through torch's collectives (on gloo: its reduce-scatter is an
     # all-reduce in disguise; see collectives/exchange.py): what the direct exchange buys.
     *[System(f"stage{s}_torch", f"zero_lab stage {s}, torch's collectives",

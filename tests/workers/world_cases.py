@@ -21,6 +21,7 @@ import collectives_cases
 import contract_cases
 import contract_habits
 import hsdp_cases
+import overlap_cases
 import recompute_cases
 import stage3_reads
 import stage_cases
@@ -34,6 +35,7 @@ PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs 
     "zero3": (zero3_cases.run, 1),
     "recompute": (recompute_cases.run, 2),  # and the precision policy; N = 2 and 4 only
     "accumulation": (accumulation_cases.run, 2),
+    "overlap": (overlap_cases.run, 2),  # shard()'s overlap options; readers at N = 2
     "hsdp": (hsdp_cases.run, 4),  # hybrid sharding on a 2 x 2 mesh
     "contract": (contract_cases.run, 2, 3),
     # before contract_habits: its lockstep case raises inside opt.step() on the last rank

@@ -41,6 +41,7 @@ def sharded_optimizer(model: nn.Module, optimizer, weights_only: bool = False) -
         raise TypeError("checkpoints are of sharded models: call zero_lab.stages.shard(model, "
                         "stage) first (stage 0 is plain data parallelism)")
     _refuse_a_mesh(owner)
+    owner.sync.settle()  # collectives left in flight (stages/param_gather.py) land first
     if optimizer is None and weights_only:
         return owner
     if optimizer is not owner:

@@ -55,9 +55,10 @@ from zero_lab.stages.mixed_precision import (
     kept_parameter_ids,
     to_compute_dtype,
 )
+from zero_lab.stages.param_gather import ParamGather
 from zero_lab.stages.recompute import apply_recompute, check_checkpoint_activations
 from zero_lab.stages.recompute import describe as describe_recompute
-from zero_lab.stages.refusals import SHARDED_ATTR, check_arguments, check_model
+from zero_lab.stages.refusals import SHARDED_ATTR, check_arguments, check_model, check_overlap
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
     make_plan,
@@ -102,6 +103,9 @@ def shard(
     grad_accumulation: str = "sharded",
     reshard_after_forward: bool = True,
     mesh=None,
+    overlap_param_gather: bool = False,
+    overlap_grad_reduce: bool | None = None,
+    overlap_step: bool = False,
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
@@ -153,13 +157,27 @@ def shard(
     takes): hybrid sharding (hybrid.py), R groups of S ranks, sharded inside a group and
     replicated across the groups; all-gathers stay inside a group, gradients are
     reduce-scattered inside it and their slices all-reduced across; the CommLedger records
-    each collective's level. Needs an initialised default
+    each collective's level.
+    Hiding the communication (Megatron-LM's names; the bytes sent are the same; all off by
+    default): `overlap_param_gather` (stages 1-2): `opt.step()` only issues the all-gathers
+    of the updated slices; each bucket is waited for by the forward of the modules that own
+    its parameters (param_gather.py: what else waits, and `model.wait_for_params()` before
+    a raw read of a parameter between step and forward, which would be stale).
+    `overlap_grad_reduce=True` (stage 1; stages 0, 2 and 3 always do it): reduce-scatter
+    each bucket during backward as soon as its gradients are in, keeping the full gradient
+    buffer. `overlap_step` (stages 1-2; at stage 1 with overlap_grad_reduce): backward's end
+    leaves the last reduce-scatters in flight and `opt.step()` updates each bucket as soon
+    as its gradient lands and issues its all-gather; whatever reads gradients first waits
+    (clip_grad_norm_, checkpoint.save; `opt.wait_for_grads()` before a read of your own).
+    Needs an initialised default
     process group; call it on every rank: the ranks first check they were all given the
     same model and settings (one small all-gather), and refuse together if not.
     """
     check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
                      unit_classes, find_unused_parameters, check_order, root_params)
     check_accumulation_arguments(stage, grad_accumulation, reshard_after_forward)
+    overlap_grad_reduce = check_overlap(stage, zero1_variant, overlap_param_gather,
+                                        overlap_grad_reduce, overlap_step)
     if not isinstance(broadcast_buffers, bool):
         raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
     if not isinstance(check_lockstep, bool):
@@ -187,7 +205,8 @@ def shard(
                        reduce_dtype=str(reduce_dtype),
                        grad_accumulation=grad_accumulation,
                        reshard_after_forward=reshard_after_forward,
-                       mesh=None if shape is None else list(shape))
+                       mesh=None if shape is None else list(shape),
+                       overlap=[overlap_param_gather, overlap_grad_reduce, overlap_step])
     # The ranks agree on the layout: every rank makes the same process groups, in order.
     layout = make_mesh(mesh) if mesh is not None else None
     compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
@@ -251,7 +270,8 @@ def shard(
     elif stage == 2:
         sync = Zero2(groups, find_unused_parameters=unused, grad_accumulation=grad_accumulation)
     elif stage == 1:
-        sync = Zero1(groups, variant=zero1_variant, find_unused_parameters=unused)
+        sync = Zero1(groups, variant=zero1_variant, find_unused_parameters=unused,
+                     overlap_grad_reduce=overlap_grad_reduce)
     else:
         sync = DataParallel(groups, find_unused_parameters=unused)
     sync.frozen = [(n, p) for n, p in model.named_parameters() if not p.requires_grad]
@@ -261,6 +281,11 @@ def shard(
                              enabled=check_lockstep and transport != "none")
     opt = ShardedOptimizer(sync, plan, masters or None)
     setattr(model, SHARDED_ATTR, opt)
+    sync.overlap_step = overlap_step
+    if overlap_param_gather:  # the step's all-gathers waited for by the next forward
+        sync.param_gather = ParamGather(groups)
+        sync.param_gather.install(model)
+    model.wait_for_params = sync.wait_for_params  # every stage: a no-op when nothing waits
     install_no_sync(model, sync)
     if broadcast_buffers and any(True for _ in model.buffers()):
         setattr(model, BUFFERS_ATTR,

@@ -56,6 +56,39 @@ def check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_vari
                            "inside a torchrun worker after zero_lab.launch.init_worker()")
 
 
+def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduce,
+                  overlap_step) -> bool:
+    """shard()'s options that hide communication (param_gather.py, in_flight.py): where each
+    applies. Stage 0 has no all-gather and stages 0, 2 and 3 always reduce during backward;
+    stage 3 gathers before each unit's forward (its prefetch) and steps at rest. Returns
+    overlap_grad_reduce resolved: None means the stage's way (stage 1: when backward ends;
+    reducing during backward measured no faster on 2 CPU cores, see bench_systems.py)."""
+    if overlap_grad_reduce is None:
+        overlap_grad_reduce = stage != 1
+    for name, value in (("overlap_param_gather", overlap_param_gather),
+                        ("overlap_grad_reduce", overlap_grad_reduce),
+                        ("overlap_step", overlap_step)):
+        if not isinstance(value, bool):
+            raise TypeError(f"{name} must be True or False, got {value!r}")
+    if overlap_param_gather and stage not in (1, 2):
+        raise ValueError(f"overlap_param_gather applies to stages 1 and 2, not stage {stage} "
+                         "(stage 0 sends no all-gather; stage 3 gathers before each unit's "
+                         "forward, with prefetch)")
+    if not overlap_grad_reduce and stage != 1:
+        raise ValueError(f"overlap_grad_reduce=False applies to stage 1 only, not stage "
+                         f"{stage}: stages 0, 2 and 3 always reduce during backward")
+    if overlap_grad_reduce and stage == 1 and zero1_variant != "reduce_scatter":
+        raise ValueError("overlap_grad_reduce reduce-scatters during backward: not with "
+                         f"zero1_variant={zero1_variant!r}")
+    if overlap_step and stage not in (1, 2):
+        raise ValueError(f"overlap_step applies to stages 1 and 2, not stage {stage}")
+    if overlap_step and stage == 1 and not overlap_grad_reduce:
+        raise ValueError("overlap_step at stage 1 needs overlap_grad_reduce=True: the "
+                         "optimizer steps each bucket as its reduce-scatter lands, which "
+                         "only happens when they are sent during backward")
+    return overlap_grad_reduce
+
+
 def refuse_batch_statistics(name: str, module: nn.Module, _args) -> None:
     """A BatchNorm that normalises by the statistics of the batch it sees would use each
     rank's local batch, not the global one: refused at its forward. In eval mode with running

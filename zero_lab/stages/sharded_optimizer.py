@@ -214,15 +214,33 @@ class ShardedOptimizer(torch.optim.Optimizer):
 
     def _step(self) -> None:
         """The update of this rank's slices (and, at stages 1-2, their all-gather)."""
+        self.sync.wait_for_params()  # no forward since the last step: its all-gathers first
         self.sync.step_starts()  # a step with no backward since the last: lockstep check
         self.sync.before_step()
+        if self.sync.overlap_step:
+            # Bucket by bucket, as each one's reduce-scatter lands (the first sent first),
+            # its all-gather issued at once: the update of one overlaps the next's transfer.
+            for g in self.sync.landing_order():
+                self.sync.land_through(g)
+                self._update([g])
+                self.sync.all_gather_params([g])
+        else:
+            self._update(range(len(self.targets)))
+            self.sync.after_step()  # stages 1-2: all-gather every rank's updated slice
+        self.sync.step_ends()
+
+    def _update(self, groups) -> None:
+        """One step of the torch optimizer on the pieces of `groups` (a torch optimizer skips
+        a tensor whose .grad is None: the other groups' pieces are left alone)."""
+        groups = set(groups)
         if self.master_weights is not None:
             # bf16 gradient slice -> fp32, applied to the fp32 master (transient copy).
-            for master, p in zip(self.master_weights, self.sync.step_params, strict=True):
-                master.grad = None if p.grad is None else p.grad.float()
+            for g in groups:
+                p = self.sync.step_params[g]
+                self.master_weights[g].grad = None if p.grad is None else p.grad.float()
         has_grad = self.sync.has_grad
         for pc, view in zip(self.pieces, self.views, strict=True):
-            grad = self.targets[pc.group].grad
+            grad = self.targets[pc.group].grad if pc.group in groups else None
             # A parameter with no gradient is skipped by the torch optimizer, state and all.
             view.grad = (grad[pc.start:pc.start + pc.numel]
                          if grad is not None and has_grad[pc.group][pc.param] else None)
@@ -230,11 +248,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         for view in self.views:
             view.grad = None  # the targets' .grad stay the one source of truth
         if self.master_weights is not None:
-            for master, p in zip(self.master_weights, self.sync.step_params, strict=True):
-                p.copy_(master)  # round the updated master into the bf16 parameters
+            for g in groups:
+                master = self.master_weights[g]
+                self.sync.step_params[g].copy_(master)  # round the updated master into bf16
                 master.grad = None
-        self.sync.after_step()  # stages 1-2: all-gather every rank's updated slice
-        self.sync.step_ends()
+
+    def wait_for_grads(self) -> None:
+        """With overlap_step, backward returns with its last reduce-scatters in flight (the
+        step waits for each bucket's): call this before reading a `.grad` yourself."""
+        self.sync.finish_reductions()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         with mark(ZERO_GRAD):
@@ -251,6 +273,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         all-reduce adds the sums of all ranks (the max, for norm_type=inf); groups every rank
         holds whole (stage 0, stage 3's replicated root) count once. Padding is zero.
         """
+        self.sync.settle()  # reductions left in flight (overlap_step) land first
         norm_type = float(norm_type)
         inf = math.isinf(norm_type)
         grads, sliced, whole = [], [], []
@@ -285,6 +308,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         """{name: full tensor} of `model`, identical on every rank (a collective for stages
         1-2 in mixed precision: every rank must call it). Trainable parameters come from the
         fp32 masters in mixed precision; everything else as the model holds it."""
+        self.sync.settle()  # all-gathers left in flight for the next forward land first
         full: dict[int, torch.Tensor] = {}
         for g, group in enumerate(self.sync.groups):
             if self.master_weights is None:

@@ -18,6 +18,19 @@ When each collective fires:
 Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, the same as plain data
 parallelism, for N times less optimizer memory (ZeRO paper, section 7.2.1).
 
+Hiding it (shard()'s options, Megatron-LM's names; the same bytes, sent at other times):
+- `overlap_grad_reduce=True`: step 2 moves into backward. A bucket's reduce-scatter starts
+  as soon as its last gradient is in the buffer, with stage 2's queue of buckets in flight
+  (in_flight.py), while autograd goes on with earlier layers; backward's end waits for the
+  last ones. The full buffer stays (it is stage 1's), so no limit on buckets in flight.
+- `overlap_param_gather=True`: step 3's all-gathers are only issued; the next forward waits
+  for each bucket in a pre-hook of the modules owning it (param_gather.py, which also lists
+  what else waits, and why a raw read of a parameter after step needs
+  `model.wait_for_params()`).
+- `overlap_step=True` (with overlap_grad_reduce): backward's end leaves the last
+  reduce-scatters in flight; `opt.step()` updates each bucket as its slice lands and issues
+  its all-gather at once.
+
 Gradient accumulation: after one backward, rank r's owned slice holds the averaged gradient
 R, and a second backward adds its local gradient L_r on top. Averaging R + L_r with the other
 ranks' L_s would divide R by N again. So from the second backward on, gradients are divided
@@ -48,6 +61,7 @@ from torch import nn
 from zero_lab.partition import FlatParamGroup, make_flat_groups
 from zero_lab.stages.agreement import check_ranks_agree
 from zero_lab.stages.gradient_sync import GradientSync
+from zero_lab.stages.in_flight import InFlight
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
     make_plan,
@@ -64,11 +78,19 @@ class Zero1(GradientSync):
     sharded = True
 
     def __init__(self, groups: list[FlatParamGroup], variant: str = "reduce_scatter",
-                 reduce_in_step: bool = False, find_unused_parameters: bool = False) -> None:
+                 reduce_in_step: bool = False, find_unused_parameters: bool = False,
+                 overlap_grad_reduce: bool = False) -> None:
         if variant not in VARIANTS:
             raise ValueError(f"stage 1 variant must be one of {VARIANTS}, got {variant!r}")
+        if overlap_grad_reduce and (variant != "reduce_scatter" or reduce_in_step):
+            raise ValueError("overlap_grad_reduce reduce-scatters during backward: not with "
+                             "the all_reduce variant nor a reduction in step()")
         super().__init__(groups, find_unused_parameters)
         self.variant = variant
+        # Reduce-scatter each bucket as soon as its gradients are in, during backward, with
+        # stage 2's queue of buckets in flight (in_flight.py); else all when backward ends.
+        self.overlap_grad_reduce = overlap_grad_reduce
+        self.reductions = InFlight(self._land)
         # When gradients are reduced: at the end of backward (shard()), or in opt.step()
         # (ZeroRedundancyOptimizer below, an optimizer that leaves backward alone).
         self.reduce_in_step = reduce_in_step
@@ -88,17 +110,51 @@ class Zero1(GradientSync):
                     self._hook_handles.append(p.register_hook(self._pre_divide))
 
     def _pre_divide(self, grad: torch.Tensor) -> torch.Tensor | None:
+        # Before autograd adds into the buffer, the last backward's reductions land
+        # (overlap_step leaves them in flight after backward; landing rewrites the buffer).
+        # Not in the middle of this backward (its own are in flight): only before its first
+        # gradient, when its end-of-backward callback is not queued yet.
+        if not self._callback_queued:
+            self.finish_reductions()
         return grad / self.world_size if self._holds_average else None  # None: unchanged
 
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
         self.adopt_grad(g, i, param)
 
+    def on_group_ready(self, g: int) -> None:
+        if not self.overlap_grad_reduce or self.defers():
+            return  # reduced when backward ends (or, under no_sync, kept here)
+        self.adopt_grads(g, self.grad_views[g])  # the buffer holds every gradient of g
+        self._send(g)
+
+    def _send(self, g: int) -> None:
+        """Start group g's reduce-scatter (its full buffer in, this rank's slice out)."""
+        group, buf = self.groups[g], self.grad_buffers[g]
+        op = dist.ReduceOp.SUM if self._holds_average else dist.ReduceOp.AVG  # pre-divided
+        owned = group.new_shard(zeroed=False)
+        work = group.reduce_scatter(owned, buf, op=op, async_op=True)
+        self.reductions.send(g, work, buf, owned, keep=None)  # the buffer stays: no limit
+
+    def _land(self, g: int, buf: torch.Tensor, owned: torch.Tensor) -> None:
+        """Group g's reduce-scatter is done: the averaged slice goes into our part of the
+        buffer, the parts other ranks own are zeroed (not ours to keep)."""
+        buf.zero_()
+        self.groups[g].shard(buf).copy_(owned)
+        self.step_params[g].grad = self.groups[g].shard(buf)  # None since a zero_grad
+
     def on_backward_end(self) -> None:
         if self.defers():  # no_sync: the gradients stay in the full buffer, summed locally
             for g in range(len(self.groups)):
                 self.adopt_grads(g, self.grad_views[g])
+        elif self.overlap_grad_reduce:  # sent during backward: land them (or leave them
+            self.reductions.land(keep=None if self.overlap_step else 0)  # to opt.step())
+            self._holds_average = True  # a later backward adds on top
         elif not self.reduce_in_step:
             self.reduce_gradients()
+
+    def on_backward_abandoned(self) -> None:
+        self.finish_reductions()  # buckets already sent land, as gradients (see Zero2)
+
 
     def reduce_gradients(self) -> None:
         """The stage's one gradient collective per group (after backward, or in step())."""
@@ -134,6 +190,7 @@ class Zero1(GradientSync):
         self.all_gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.finish_reductions()  # overlap_step, no step since: they would land after it
         self.zero_grad_buffers(set_to_none)
         self._holds_average = False
         self.drop_unsynced()

@@ -17,6 +17,10 @@ of about `bucket_mb` megabytes).
    now holds its slice of the averaged gradient, added to what earlier backward calls left
    there (gradient accumulation).
 4. `opt.step()` updates the owned slice and all-gathers it, one collective per bucket.
+   With `overlap_param_gather=True` it only issues them: the next forward waits for each
+   bucket in a pre-hook of the modules owning it (param_gather.py). With `overlap_step=True`
+   step 3 waits for nothing: `opt.step()` updates each bucket as soon as its slice lands and
+   issues that bucket's all-gather at once (what reads gradients first waits: in_flight.py).
 
 Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, as stage 0 and stage 1.
 
@@ -35,22 +39,13 @@ None` in the hook, and the bucket buffer dropped once sent (notebook 04 measures
 
 from __future__ import annotations
 
-from collections import deque
-from typing import NamedTuple
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import FlatParamGroup
 from zero_lab.stages.gradient_sync import GradientSync, clear_grads
-
-
-class _InFlight(NamedTuple):
-    g: int  # the group (bucket)
-    work: dist.Work
-    full: torch.Tensor  # the bucket's full gradient, kept alive until the work is done
-    owned: torch.Tensor  # receives this rank's slice of the averaged gradient
+from zero_lab.stages.in_flight import InFlight
 
 
 class Zero2(GradientSync):
@@ -78,7 +73,7 @@ class Zero2(GradientSync):
         # under no_sync since the last one sent (None: nothing held).
         self._held: list[torch.Tensor | None] = [None] * len(groups)
         self._arrived: list[list[bool]] = [[False] * len(g.params) for g in groups]
-        self._in_flight: deque[_InFlight] = deque()
+        self.reductions = InFlight(self._land)  # buckets sent, not yet landed (in_flight.py)
 
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
         group = self.groups[g]
@@ -118,27 +113,24 @@ class Zero2(GradientSync):
         else:
             owned = group.new_shard(zeroed=False)
             work = group.reduce_scatter(owned, full, op=dist.ReduceOp.AVG, async_op=True)
-        self._in_flight.append(_InFlight(g, work, full, owned))
-        self._retire(keep=self.MAX_IN_FLIGHT)
+        self.reductions.send(g, work, full, owned, keep=self.MAX_IN_FLIGHT)
 
-    def _retire(self, keep: int) -> None:
-        """Finish sent buckets: oldest first, all beyond `keep`, and any already complete."""
-        while self._in_flight and (len(self._in_flight) > keep
-                                   or self._in_flight[0].work.is_completed()):
-            done = self._in_flight.popleft()
-            done.work.wait()
-            step_param = self.step_params[done.g]
-            if step_param.grad is None:
-                step_param.grad = done.owned
-            else:
-                step_param.grad.add_(done.owned)  # gradient accumulation, on the slice only
-            # `done.full` goes out of scope here: the bucket's full gradient is freed.
+    def _land(self, g: int, _full: torch.Tensor, owned: torch.Tensor) -> None:
+        """Bucket g's reduce-scatter is done: its averaged slice becomes (or adds to, when
+        accumulating) the gradient of what this rank steps."""
+        step_param = self.step_params[g]
+        if step_param.grad is None:
+            step_param.grad = owned
+        else:
+            step_param.grad.add_(owned)  # gradient accumulation, on the slice only
 
     def on_backward_end(self) -> None:
-        self._retire(keep=0)
+        # overlap_step: the last buckets land inside opt.step(), each just before its update
+        self.reductions.land(keep=None if self.overlap_step else 0)
+
 
     def on_backward_abandoned(self) -> None:
-        self._retire(keep=0)  # buckets already sent: their slices are added, as gradients
+        self.reductions.land(keep=0)  # buckets already sent: their slices are added, as gradients
         self._buckets = [None] * len(self.groups)  # half-filled ones: never sent (a held one
         self._arrived = [[False] * len(g.params) for g in self.groups]  # keeps what it got)
 
@@ -156,6 +148,7 @@ class Zero2(GradientSync):
         self.all_gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
+        self.finish_reductions()  # overlap_step, no step since: they would land after it
         clear_grads(self.step_params, set_to_none)  # the owned gradient slices
         if set_to_none:
             self.clear_has_grad()

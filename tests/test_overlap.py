@@ -1,0 +1,68 @@
+"""shard()'s overlap options (stages/param_gather.py, stages/in_flight.py), from the "overlap"
+part of tests/workers/world_cases.py (tests/workers/overlap_cases.py): every variant trains
+as one process on the global batch, bit for bit as its plain stage, sends the same bytes per
+step, and every reader outside a forward waits for what is still in flight (each reader's
+mutant, its waits switched off, reads something else)."""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.common import case_reports
+
+FP32_ATOL = 1e-6  # as tests/test_stages.py (Adam with eps 1e-6, lr 1e-3: measured ~2e-7)
+READ_ATOL = 2e-5  # the readers' runs use lr 1e-2: float32 drift ~3e-6 (overlap_cases.py)
+STALE = 3e-4  # a reader that did not wait is off by about a step of Adam (lr 1e-2; its next
+#               forward's loss by ~7e-4)
+PARAM_READERS = ("forward", "full_state_dict", "state_dict", "wait_for_params",
+                 "checkpoint_load")
+GRAD_READERS = ("clip_grad_norm_", "wait_for_grads")
+
+
+@pytest.fixture(scope="module", params=(2, 3, 4))
+def reports(request):
+    return request.param, case_reports("overlap", request.param)
+
+
+def plain_of(variant: str) -> str:
+    return variant.split("_")[0]  # "stage1_all" -> "stage1"
+
+
+def test_every_variant_trains_as_one_process_and_as_its_plain_stage(reports):
+    n, reps = reports
+    cases = reps[0]["cases"]
+    assert len(cases) == (28 if n == 2 else 8)
+    plain = {(c["variant"], c["config"]): c for c in cases}
+    for c in cases:
+        if c["config"] != "bf16":  # bf16: the plain stage's own test bounds its drift
+            assert c["max_abs_diff"] <= FP32_ATOL, (n, c["variant"], c["config"], c)
+        assert c["digest"] == plain[plain_of(c["variant"]), c["config"]]["digest"], \
+            (n, c["variant"], c["config"])
+    for rep in reps:  # every rank holds the same weights
+        assert [c["digest"] for c in rep["cases"]] == [c["digest"] for c in cases]
+
+
+def test_bytes_per_step_are_the_plain_stages(reports):
+    n, reps = reports
+    cases = reps[0]["cases"]
+    plain = {(c["variant"], c["config"]): c for c in cases}
+    for c in cases:
+        assert c["ledger"] == plain[plain_of(c["variant"]), c["config"]]["ledger"], \
+            (n, c["variant"], c["config"])
+        assert {"reduce_scatter", "all_gather"} <= set(c["ledger"]), c["variant"]
+
+
+def test_every_reader_waits_for_the_collectives_in_flight():
+    readers = case_reports("overlap", 2)[0]["readers"]
+    for variant in ("stage1_param_gather", "stage2_param_gather"):
+        right, mutant = readers[variant], readers[f"{variant}-mutant"]
+        for reader in PARAM_READERS:
+            assert right[reader] <= READ_ATOL, (variant, reader, right[reader])
+            assert mutant[reader] > STALE, (variant, reader, "the mutant read right")
+        assert right["step_again"] <= READ_ATOL, variant
+    for variant in ("stage1_all", "stage2_all"):
+        right, mutant = readers[variant], readers[f"{variant}-mutant"]
+        for reader in GRAD_READERS:
+            assert right[reader] <= READ_ATOL, (variant, reader, right[reader])
+            assert mutant[reader] > STALE, (variant, reader, "the mutant read right")
+        assert right["checkpoint_save"] <= READ_ATOL, variant
