@@ -64,6 +64,8 @@ def test_held_bytes_follow_each_design(result):
     # Ψ = 7056 is divisible by 2: no padding; fp32 Adam states are 8 bytes per element.
     for name, stage in [("ddp", 0), ("stage0", 0), ("stage1", 1), ("stage2", 2), ("stage3", 3),
                         ("stage3_noprefetch", 3), ("stage3_checked", 3), ("fsdp2", 3),
+                        ("stage3_prefetch2", 3), ("stage3_prefetch5", 3),
+                        ("stage3_into_backward", 3),
                         ("stage1_torch", 1),
                         ("stage2_torch", 2), ("stage3_torch", 3),
                         ("stage1_grad_reduce", 1), ("stage1_overlap", 1),
@@ -89,7 +91,8 @@ def test_bytes_communicated_per_step(result):
         for comm in result["systems"][name]["comm"]:
             assert comm["volume"] == 2 * 4 * PSI, name  # the paper's 2Ψ (fp32)
             assert comm["sent_bytes"] == 4 * PSI, name  # ring: 2(N-1)/N x Ψ x 4 bytes
-    for name in ("stage3", "stage3_noprefetch", "fsdp2", "stage3_torch"):  # 2 AG + 1 RS
+    for name in ("stage3", "stage3_noprefetch", "fsdp2", "stage3_torch", "stage3_prefetch2",
+                 "stage3_prefetch5", "stage3_into_backward"):  # 2 AG + 1 RS
         for comm in result["systems"][name]["comm"]:
             assert comm["volume"] == 3 * 4 * PSI, name
             assert comm["by_op"]["all_gather"]["count"] == 2 * CONFIG.depth, name

@@ -256,6 +256,88 @@ def test_prefetch_gathers_the_next_unit_before_releasing_the_current(ranks):
         assert seen == {"forward": most, "backward": most}, (key, seen)
 
 
+# ------------------------------------------------------------------ prefetch depth
+
+PREFETCH_DEPTHS = ("False", "True", "2", "3", "True_into_backward", "2_into_backward")
+
+
+def check_prefetch_limit(variant: dict) -> None:
+    """With prefetch depth k, at most k + 1 units are gathered at once (the one computing
+    and k ahead), and as many are at some point of forward and of backward, when there are
+    that many units; equal units here, so the bytes are exact: (k + 1) x one unit's."""
+    (unit,) = variant["unit_bytes"]
+    most = min(variant["depth"] + 1, variant["units"]) * unit
+    assert variant["peak_gathered"] == {"forward": most, "backward": most}, variant
+    assert variant["gathered_after"] == 0, variant
+
+
+def check_same_bytes(variant: dict, default: dict) -> None:
+    """The same collectives, of the same sizes, as the default prefetch: a depth changes
+    only when each all-gather starts."""
+    assert variant["collectives"] == default["collectives"], variant
+
+
+def test_prefetch_depths_match_one_process_and_send_the_same_bytes(ranks):
+    """prefetch=False, True, 2, 3 (and backward's first units gathered at forward end):
+    equal to one process on the global batch after 3 steps, and a step sends what the
+    default sends: 2 all-gathers and 1 reduce-scatter of each unit (3Ψ)."""
+    n, reports = ranks
+    for rep in reports:
+        variants = rep["prefetch"]
+        for name in PREFETCH_DEPTHS:
+            assert variants[name]["max_abs_diff"] <= FP32_ATOL, (name, variants[name])
+            check_same_bytes(variants[name], variants["True"])
+        unit = variants["True"]["unit_bytes"][0]
+        units = variants["True"]["units"]
+        assert variants["True"]["collectives"] == (  # (op, bytes), sorted
+            [["all_gather", unit]] * 2 * units + [["reduce_scatter", unit]] * units)
+
+
+def test_bytes_check_fails_a_variant_that_sends_other_bytes(ranks):
+    """Negative control: reshard_after_forward=False sends 2Ψ, not 3Ψ (no second gather)."""
+    n, reports = ranks
+    variants = reports[0]["prefetch"]
+    with pytest.raises(AssertionError):
+        check_same_bytes(variants["kept"], variants["True"])
+
+
+def test_prefetch_depth_k_gathers_k_plus_one_units_at_most(ranks):
+    n, reports = ranks
+    for rep in reports:
+        for name in PREFETCH_DEPTHS:
+            check_prefetch_limit(rep["prefetch"][name])
+
+
+def check_gathers_started(variant: dict) -> None:
+    """Where each of the step's 2 x units all-gathers starts: one per unit in forward and
+    one in backward; with prefetch_into_backward, the first `depth` of backward's start at
+    the end of forward instead."""
+    early = variant["depth"] if variant["into_backward"] else 0
+    units = variant["units"]
+    assert variant["gathers_started"] == {"forward": units + early,
+                                          "backward": units - early}, variant
+
+
+def test_backward_prefetch_at_forward_end_starts_backwards_first_gathers_there(ranks):
+    n, reports = ranks
+    for rep in reports:
+        for name in PREFETCH_DEPTHS:
+            check_gathers_started(rep["prefetch"][name])
+        # negative control: the default's record, claimed as gathered at forward end
+        with pytest.raises(AssertionError):
+            check_gathers_started({**rep["prefetch"]["True"], "into_backward": True})
+
+
+def test_limit_check_fails_a_prefetch_that_ignores_the_limit(ranks):
+    """Negative control: prefetch=2 whose units prefetch every later unit gathers all 5."""
+    n, reports = ranks
+    for rep in reports:
+        mutant = rep["prefetch"]["unlimited"]
+        assert mutant["depth"] == 2 and mutant["max_abs_diff"] <= FP32_ATOL
+        with pytest.raises(AssertionError):
+            check_prefetch_limit(mutant)
+
+
 # ------------------------------------------------------------------ refusals, hygiene
 
 
@@ -269,6 +351,13 @@ def test_refusals(ranks):
     assert errors["twice"] == "ValueError: this model is already sharded; shard() a fresh model"
     assert errors["batchnorm"].startswith("RuntimeError: 1 is a BatchNorm1d in training mode")
     assert errors["frozen"].startswith("ValueError: the model has no trainable parameters")
+    depth = ("a prefetch depth (how many units stage 3 gathers ahead) is an int k >= 1, at "
+             "stage 3 only; prefetch=False gathers none ahead, True one")
+    for k in ("0", "-1", "2 stage 2"):
+        assert errors[f"prefetch={k}"] == f"ValueError: prefetch={k.split()[0]}: {depth}"
+    for k in ("1.0", "'2'", "None"):
+        assert errors[f"prefetch={k}"] == (
+            f"TypeError: prefetch must be True, False or an int k >= 1, got {k}")
 
 
 def test_no_warnings(ranks):

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 import warnings
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -258,6 +259,86 @@ def lifecycle(rank: int, world: int) -> dict:
     return out
 
 
+PREFETCH_WIDTH, PREFETCH_UNITS, PREFETCH_STEPS = 16, 5, 3
+# name: (shard()'s prefetch, options); "unlimited" and "kept" are the checks' mutants
+PREFETCH_VARIANTS = {
+    "False": (False, {}), "True": (True, {}), "2": (2, {}), "3": (3, {}),
+    "True_into_backward": (True, {"into_backward": True}),
+    "2_into_backward": (2, {"into_backward": True}),
+    "unlimited": (2, {"unlimited": True}),  # prefetch=2, but every later unit gathered ahead
+    "kept": (True, {"reshard_after_forward": False}),  # 2Ψ a step: other bytes
+}
+
+
+def _watch_gathered(sync: Zero3) -> dict[str, dict[str, int]]:
+    """From now on, per phase (outside backward, inside): the most full-parameter bytes
+    gathered at once, and how many all-gathers started. Full buffers get their memory only
+    when a unit's all-gather starts (Unit.start_gather), so sampling right after each start
+    sees every maximum."""
+    seen = {"peak": {"forward": 0, "backward": 0}, "starts": {"forward": 0, "backward": 0}}
+    for unit in sync.units:
+        def start(start_gather=unit.start_gather):
+            start_gather()
+            phase = "backward" if torch._C._current_graph_task_id() != -1 else "forward"
+            seen["peak"][phase] = max(seen["peak"][phase], sync.gathered_bytes())
+            seen["starts"][phase] += 1
+        unit.start_gather = start
+    return seen
+
+
+def _ignore_the_limit(sync: Zero3) -> None:
+    """Mutant: every unit prefetches all the units after it, whatever the depth says."""
+    def learn(phase: str, order: list[int]) -> None:
+        sync._ahead[phase] = {u: order[i + 1:] for i, u in enumerate(order)}
+    sync._learn = learn
+
+
+def prefetch_limits(rank: int, world: int) -> dict:
+    """Stage 3 with each prefetch depth (and backward's first units gathered at forward end)
+    on a 5-unit MLP of equal units: trained 3 steps against one process on the global batch;
+    the third step's collectives (CommLedger) and the most bytes gathered at once in its
+    forward and its backward (orders are recorded by the first step)."""
+    torch.manual_seed(SEED)
+    ref = W.deep_mlp(PREFETCH_WIDTH, PREFETCH_UNITS)
+    global_batch = partial(_mlp_batch, width=PREFETCH_WIDTH)
+    W.train(ref, optimizer_function("adam")(list(ref.parameters())), global_batch, W.mse_loss,
+            PREFETCH_STEPS, measure_memory=False)
+    ref_full = full_state_dict(ref)
+    local = local_batches(global_batch, rank, world)
+    out = {}
+    for name, (prefetch, options) in PREFETCH_VARIANTS.items():
+        torch.manual_seed(SEED + rank)
+        model, opt = shard(W.deep_mlp(PREFETCH_WIDTH, PREFETCH_UNITS), 3,
+                           optimizer_function("adam"), prefetch=prefetch,
+                           reshard_after_forward=options.get("reshard_after_forward", True))
+        sync = opt.sync
+        sync.prefetch_into_backward = options.get("into_backward", False)
+        if options.get("unlimited"):
+            _ignore_the_limit(sync)
+        W.train(model, opt, local, W.mse_loss, PREFETCH_STEPS - 1, measure_memory=False)
+        seen = _watch_gathered(sync)
+        with CommLedger() as ledger:
+            W.mse_loss(model, local(PREFETCH_STEPS - 1)).backward()
+            opt.step()
+            opt.zero_grad()
+        full = full_state_dict(model)
+        out[name] = {
+            "depth": sync.depth, "units": len(sync.units),
+            "unit_bytes": sorted({u.group.padded_numel * u.local.element_size()
+                                  for u in sync.units}),
+            "peak_gathered": seen["peak"], "gathers_started": seen["starts"],
+            "into_backward": sync.prefetch_into_backward,
+            "gathered_after": sync.gathered_bytes(),
+            "max_abs_diff": max((full[k] - ref_full[k]).abs().max().item() for k in ref_full),
+            "collectives": sorted((r.op, r.nbytes) for r in ledger.records),
+        }
+    return out
+
+
+def _mlp_batch(step: int, width: int) -> tuple[torch.Tensor, torch.Tensor]:
+    return W.mlp_batch(step, GLOBAL_BATCH, width)
+
+
 def error_cases() -> dict:
     message = error_message
 
@@ -267,6 +348,9 @@ def error_cases() -> dict:
         "batchnorm": message(lambda: shard(nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)),
                                            3)[0](torch.ones(2, 4))),
         "frozen": message(lambda: shard(W.deep_mlp(4, 1).requires_grad_(False), 3)),
+        **{f"prefetch={k!r}" + (f" stage {stage}" if stage != 3 else ""):
+           message(lambda k=k, stage=stage: shard(W.deep_mlp(4, 1), stage, prefetch=k))
+           for k, stage in ((0, 3), (-1, 3), (1.0, 3), ("2", 3), (None, 3), (2, 2))},
     }
 
 
@@ -282,7 +366,7 @@ def run(rank: int, world: int) -> dict:
             cases[-1]["seconds"] = time.perf_counter() - start
         out = {"cases": cases, "global_batch": GLOBAL_BATCH}
         for name, fn in (("grads", grads_after_backward), ("inference", inference),
-                         ("lifecycle", lifecycle)):
+                         ("lifecycle", lifecycle), ("prefetch", prefetch_limits)):
             start = time.perf_counter()
             out[name] = fn(rank, world)
             seconds[name] = time.perf_counter() - start

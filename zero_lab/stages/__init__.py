@@ -86,7 +86,7 @@ def shard(
     stage: int,
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_optimizer,
     bucket_mb: float = 25.0,
-    prefetch: bool = True,
+    prefetch: bool | int = True,
     precision: str = "fp32",
     *,
     transport: str = "auto",
@@ -121,8 +121,10 @@ def shard(
     `optimizer` builds a torch optimizer from a list of parameters (an element-wise one: SGD,
     Adam, AdamW, ...); it is called once on the trainable parameters, full-shaped, and its
     parameter groups and settings are applied to this rank's pieces of them. `bucket_mb` sizes
-    the flat groups of stages 0-2 (and so their collectives). `prefetch` matters only for
-    stage 3. `precision`: "fp32", or mixed precision computing in "bf16" ("mixed" means the
+    the flat groups of stages 0-2 (and so their collectives). `prefetch` (stage 3): True
+    gathers the next unit while one computes, False none ahead, an int k the next k (at
+    most k + 1 units gathered at once; zero3.py).
+    `precision`: "fp32", or mixed precision computing in "bf16" ("mixed" means the
     same) or "fp16", with fp32 masters and optimizer states for the owned slice
     (mixed_precision.py). `transport`: how the flat groups send reduce-scatters and
     all-gathers: "auto" (a direct exchange on gloo, torch's collectives elsewhere; see

@@ -30,8 +30,12 @@ def check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_vari
     if (isinstance(bucket_mb, bool) or not isinstance(bucket_mb, (int, float))
             or not math.isfinite(bucket_mb) or bucket_mb <= 0):
         raise ValueError(f"bucket_mb must be a positive number of megabytes, got {bucket_mb!r}")
-    if not isinstance(prefetch, bool):
-        raise TypeError(f"prefetch must be True or False, got {prefetch!r}")
+    if not isinstance(prefetch, int):  # True, False or a depth k >= 1 (bool is an int)
+        raise TypeError(f"prefetch must be True, False or an int k >= 1, got {prefetch!r}")
+    if not isinstance(prefetch, bool) and (prefetch < 1 or stage != 3):
+        raise ValueError(f"prefetch={prefetch!r}: a prefetch depth (how many units stage 3 "
+                         "gathers ahead) is an int k >= 1, at stage 3 only; prefetch=False "
+                         "gathers none ahead, True one")
     if not isinstance(check_order, bool):
         raise TypeError(f"check_order must be True or False, got {check_order!r}")
     if not isinstance(find_unused_parameters, bool):

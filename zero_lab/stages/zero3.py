@@ -56,8 +56,31 @@ each parameter's `.grad` is its piece of the final averaged gradient slice.
 
 Prefetch (`prefetch=True`): the first step records the order in which units run forward
 and backward; later steps start the all-gather of the *next* unit, asynchronously, as soon
-as the current one starts computing, so communication overlaps computation. At most two
-units are gathered at once (the current and the next).
+as the current one starts computing (its forward pre-hook, or the first gradient reaching
+its outputs in backward), so communication overlaps computation. At most two units are
+gathered at once (the current and the next): FSDP2's limit of two all-gathers in flight.
+`prefetch=k` (an int >= 1) is the limit itself: the next k units of the recorded order are
+gathered ahead, so at most k + 1 units are gathered at once, k + 1 units' worth of full
+parameters (FSDP2 sets the same depth by listing modules: `set_modules_to_forward_prefetch`,
+`set_modules_to_backward_prefetch`). `prefetch=True` is k = 1, `prefetch=False` k = 0: each
+unit gathered when it is called. The bytes sent are the same for every k: only when.
+
+Backward prefetch here is what FSDP2 does by default: when a unit's backward starts (the
+first gradient reaching its outputs), the all-gather of the unit backward runs next starts.
+FSDP2 differs in three ways: explicit prefetch lists (the depth k above); its targets come
+from this step's forward order reversed, so it prefetches from the first step (here from
+the second, in the order the first backward recorded); and on a GPU the CPU issues the
+all-gathers ahead of the device's compute, so backward's first unit (the last forward ran)
+is not waited for alone. The last one could matter on a CPU too: `prefetch_into_backward`
+(an attribute, off) starts the first k units' all-gathers when a training forward ends
+instead of at their pre-backward hooks. `make bench` (6 x Linear(1024), 2 CPU ranks, gloo;
+42 rounds on a quiet machine in 7 runs; each system's round median over stage 3's in the
+same round, median and range): prefetch=False 1.065 (0.994-1.166), prefetch=2 0.990
+(0.902-1.054), backward's first unit at forward end 0.994 (0.910-1.086), no limit (every
+other unit ahead, prefetch=5) 0.952 (0.882-1.050), for the whole model's full parameters
+gathered at once instead of two units' worth. None is faster beyond the spread, so the
+default stays prefetch=True (k = 1) and the attribute off: on two cores a rank's all-gather
+needs the same CPU its compute does, so gathering earlier has little to hide behind.
 
 `reshard_after_forward=False` (FSDP2's name) keeps a unit gathered from its forward to its
 backward (2Ψ per step, full parameters resident meanwhile) and, under `model.no_sync()`, to
@@ -104,7 +127,7 @@ class Zero3(Zero2):
     sharded = True
     MAX_IN_FLIGHT = 1  # reduce-scatters not yet complete: keeps at most two full gradients
 
-    def __init__(self, model: nn.Module, units: list[Unit], prefetch: bool = True,
+    def __init__(self, model: nn.Module, units: list[Unit], prefetch: bool | int = True,
                  find_unused_parameters: bool = False, check_order: bool = False,
                  reshard_after_forward: bool = True, grad_accumulation: str = "sharded"
                  ) -> None:
@@ -116,7 +139,10 @@ class Zero3(Zero2):
         self._kept: set[int] = set()  # gathered past their forward (reshard_after_forward)
         self._withheld: set[int] = set()  # kept units whose .grad pieces were not given out
         self.replicated = [unit.replicated for unit in units]
-        self.prefetch = prefetch
+        self.depth = int(prefetch)  # units gathered ahead of the one computing: False 0, True 1
+        # Measured variant (bench_systems.py; not faster, see "Backward prefetch" above): a
+        # training forward's end starts gathering the units its backward runs first.
+        self.prefetch_into_backward = False
         # Debug aid: before every all-gather, the ranks check they gather the same unit.
         self.check_order = check_order
         self.forward_order: list[int] | None = None  # recorded on the first forward
@@ -125,7 +151,8 @@ class Zero3(Zero2):
         self._gathers: list[int] | None = None  # units this forward gathered, in order
         self._position, self._derailed = 0, False
         self._backward_record: list[int] = []
-        self._next: dict[str, dict[int, int]] = {"forward": {}, "backward": {}}
+        # phase -> unit -> the units to gather ahead when it starts (the next `depth` ones)
+        self._ahead: dict[str, dict[int, list[int]]] = {"forward": {}, "backward": {}}
         self._grads_taken = [False] * len(units)
         self._spans: dict[tuple[str, int], Span] = {}  # "forward / unit k" marks (profiling)
         # Teaching hook: called as on_event(what, unit name) at "gather", "release" and
@@ -182,9 +209,14 @@ class Zero3(Zero2):
             self._event("release", u)
 
     def _prefetch(self, phase: str, u: int) -> None:
-        nxt = self._next[phase].get(u)
-        if self.prefetch and nxt is not None:
-            self.gather(nxt, wait=False)
+        """Start the all-gathers of the units `phase` runs after u (those not gathered or
+        in flight already): at most `depth` units are gathered ahead of the one computing."""
+        for ahead in self._ahead[phase].get(u, ()):
+            self.gather(ahead, wait=False)
+
+    def _learn(self, phase: str, order: list[int]) -> None:
+        """The order a phase runs its units in, recorded once: what each unit prefetches."""
+        self._ahead[phase] = {u: order[i + 1:i + 1 + self.depth] for i, u in enumerate(order)}
 
     def _open_span(self, phase: str, u: int) -> None:
         self._close_span(phase, u)  # one left open by a step that raised
@@ -260,11 +292,15 @@ class Zero3(Zero2):
         if self._forward_record is not None:  # the first forward: learn the order
             order, self._forward_record = self._forward_record, None
             self.forward_order = order
-            self._next["forward"] = dict(zip(order, order[1:], strict=False))
+            self._learn("forward", order)
             # Reduce-scatters go out in the order backward completes units: the reverse.
             unused = [u for u in range(len(self.units)) if u not in order]
             self.handover_order = order[::-1] + unused
         self._check_forward_lockstep()
+        if (self.prefetch_into_backward and self.backward_order and torch.is_grad_enabled()
+                and any(t.requires_grad for t in _tensors(output))):
+            for u in self.backward_order[:self.depth]:  # backward's first units, from now
+                self.gather(u, wait=False)
 
     def _check_forward_lockstep(self) -> None:
         """Stage 3's lockstep check (lockstep.py), once per forward: the ranks compare their
@@ -338,7 +374,7 @@ class Zero3(Zero2):
         if self.backward_order is None and self._backward_record:
             order, self._backward_record = self._backward_record, []
             self.backward_order = order
-            self._next["backward"] = dict(zip(order, order[1:], strict=False))
+            self._learn("backward", order)
 
     def on_backward_abandoned(self) -> None:
         super().on_backward_abandoned()
