@@ -17,7 +17,9 @@ reader with the waits switched off (the mutant) must read something else.
 from __future__ import annotations
 
 import contextlib
+import gc
 import tempfile
+import time
 
 import torch
 import torch.distributed as dist
@@ -300,6 +302,46 @@ def grad_readers(variant: str, rank: int, world: int, mutant: bool, directory: s
     return out
 
 
+# ------------------------------------------------------------------ dropped in flight
+LATE = 0.5  # seconds the last rank waits before its step: the others drop their model first
+
+
+def dropped_in_flight(rank: int, world: int) -> dict:
+    """Each overlap variant's model and optimizer dropped while its collectives are in flight
+    (after a step: the all-gathers for the next forward; after backward with overlap_step:
+    the last reductions). The last rank starts its step (or backward) LATE, so the other
+    ranks drop theirs before its messages come: a receive dropped then would be written
+    after its buffer is freed (or never matched: the launch hangs). Then more collectives and
+    a second model must train as one process does."""
+    out: dict = {"in_flight": {}}
+    drops = [(v, "step") for v in ("stage1_param_gather", "stage1_all", "stage2_param_gather",
+                                   "stage2_all")] + [(v, "backward")
+                                                     for v in ("stage1_all", "stage2_all")]
+    for variant, after in drops:
+        model, opt, _, _ = make(variant, "adam", rank)
+        batch = W.rank_slice(global_batch(0), rank, world)
+        if after == "step":
+            W.mse_loss(model, batch).backward()
+        if rank == world - 1:
+            time.sleep(LATE)
+        if after == "backward":
+            W.mse_loss(model, batch).backward()
+            out["in_flight"][f"{variant}-{after}"] = len(opt.sync.reductions)
+        else:
+            opt.step()
+            out["in_flight"][f"{variant}-{after}"] = len(opt.sync.param_gather.in_flight())
+        del model, opt
+        gc.collect()
+        junk = [torch.randn(1 << 14) for _ in range(16)]  # what may reuse the freed memory
+        del junk
+    total = torch.tensor([float(rank)])
+    dist.all_reduce(total)
+    out["all_reduce"] = total.item()
+    out["after"] = [equivalence_case(v, "adam", rank, world)
+                    for v in ("stage1_all", "stage2_all")]
+    return out
+
+
 def run(rank: int, world: int) -> dict:
     """Every case on this rank (tests/workers/world_cases.py runs it at N = 2, 3, 4)."""
     wide = world > 2
@@ -320,6 +362,7 @@ def run(rank: int, world: int) -> dict:
                 readers[f"{variant}{'-mutant' if mutant else ''}"] = grad_readers(
                     variant, rank, world, mutant, f"{base[0]}/{variant}{int(mutant)}")
         out["readers"] = readers
+        out["dropped"] = dropped_in_flight(rank, world)
     dist.barrier()
     return out
 

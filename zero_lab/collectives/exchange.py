@@ -55,6 +55,17 @@ class Exchange:
             finish()
         return True
 
+    def __del__(self) -> None:
+        # A handle dropped in flight (a model deleted between its step and the next forward
+        # with overlap_param_gather, the reductions overlap_step leaves after backward, any
+        # `async_op=True` result never waited on) finishes its messages first. gloo does not
+        # keep a dropped isend/irecv or its buffer alive: the peer's message would land in
+        # freed memory (glibc heap corruption) or never be matched (the launch hangs). Every
+        # peer posted its side when the collective was issued, so this wait ends. The sum
+        # (`finish`) is skipped: nobody holds its output any more.
+        for request in self._requests:
+            request.wait()
+
 
 def _chunks(full: torch.Tensor, part: torch.Tensor, n: int, what: str) -> list[torch.Tensor]:
     """`full` cut into N chunks of `part.numel()` elements (views), after checking the sizes."""
