@@ -17,6 +17,7 @@ STALE = 3e-4  # a reader that did not wait is off by about a step of Adam (lr 1e
 PARAM_READERS = ("forward", "full_state_dict", "state_dict", "wait_for_params",
                  "checkpoint_load")
 GRAD_READERS = ("clip_grad_norm_", "wait_for_grads")
+RAW_READS = ("sum", "clone", "equal", "detach")  # of model[0].weight, nothing waited before
 
 
 @pytest.fixture(scope="module", params=(2, 3, 4))
@@ -66,6 +67,21 @@ def test_every_reader_waits_for_the_collectives_in_flight():
             assert right[reader] <= READ_ATOL, (variant, reader, right[reader])
             assert mutant[reader] > STALE, (variant, reader, "the mutant read right")
         assert right["checkpoint_save"] <= READ_ATOL, variant
+
+
+def test_a_raw_read_of_a_parameter_in_flight_waits_for_its_bucket():
+    """stages/param_gather.py's ParameterInFlight: no stale read without wait_for_params()."""
+    readers = case_reports("overlap", 2)[0]["readers"]
+    for variant in ("stage1_param_gather", "stage2_param_gather"):
+        right, mutant = readers[f"{variant}-raw"], readers[f"{variant}-raw-mutant"]
+        for read in RAW_READS:
+            assert right[read] <= READ_ATOL, (variant, read, right[read])
+            assert mutant[read] > STALE, (variant, read, "the mutant read right")
+        assert right["classes_after_step"] == ["ParameterInFlight"], right
+        assert right["class_after_read"] == "Parameter"
+        # the read waited for its own bucket (the first layer's, issued first) only
+        assert right["in_flight_after_read"] == right["buckets_in_flight"] - 1 > 0, right
+        assert right["classes_after_forward"] == ["Parameter"], right
 
 
 def test_a_model_dropped_in_flight_finishes_its_messages_first():

@@ -264,6 +264,46 @@ def param_readers(variant: str, rank: int, world: int, mutant: bool, directory: 
     return out
 
 
+RAW_READS = ("sum", "clone", "equal", "detach")
+
+
+def raw_reads(variant: str, rank: int, world: int, mutant: bool) -> dict:
+    """overlap_param_gather: a raw read of a parameter after opt.step(), with no wait of one's
+    own (its class, ParameterInFlight, waits for its bucket), against one process (|diff|)
+    or, for torch.equal, against a twin run that waited (bit-identical: the same run). The
+    mutant removes the class swap: every parameter plain nn.Parameter after the step."""
+    out: dict = {}
+    for read in RAW_READS:
+        model, opt, ref, _ = after_one_step(variant, rank, world, mutant=False)
+        gather = opt.sync.param_gather
+        if read == "sum":
+            out["classes_after_step"] = sorted({type(p).__name__ for p in model.parameters()})
+            out["buckets_in_flight"] = len(gather.in_flight())
+        if mutant:
+            for p in model.parameters():
+                p.__class__ = nn.Parameter
+        w, r = model[0].weight, ref[0].weight.detach()
+        if read == "sum":
+            out[read] = abs(w.sum().item() - r.sum().item())
+            out["in_flight_after_read"] = len(gather.in_flight())  # its own bucket only
+            out["class_after_read"] = type(w).__name__
+        elif read == "clone":
+            out[read] = (w.clone() - r).abs().max().item()
+        elif read == "detach":
+            out[read] = (w.detach() - r).abs().max().item()
+        else:
+            twin, twin_opt, _, _ = after_one_step(variant, rank, world, mutant=False)
+            twin.wait_for_params()
+            out[read] = 0.0 if torch.equal(w, twin[0].weight) else float("inf")
+            del twin, twin_opt
+        gather.wait_all()  # the deferred all-gathers, every rank alike
+    # the next forward turns every parameter back into a plain nn.Parameter before compute
+    model, opt, _, _ = after_one_step(variant, rank, world, mutant=False)
+    model(W.rank_slice(global_batch(1), rank, world)[0])
+    out["classes_after_forward"] = sorted({type(p).__name__ for p in model.parameters()})
+    return out
+
+
 def grad_readers(variant: str, rank: int, world: int, mutant: bool, directory: str) -> dict:
     """overlap_step: each reader of gradients after backward, while the last reductions are
     still in flight, against one process."""
@@ -358,6 +398,8 @@ def run(rank: int, world: int) -> dict:
             for variant in ("stage1_param_gather", "stage2_param_gather"):
                 readers[f"{variant}{'-mutant' if mutant else ''}"] = param_readers(
                     variant, rank, world, mutant, f"{base[0]}/{variant}{int(mutant)}")
+                readers[f"{variant}-raw{'-mutant' if mutant else ''}"] = raw_reads(
+                    variant, rank, world, mutant)
             for variant in ("stage1_all", "stage2_all"):
                 readers[f"{variant}{'-mutant' if mutant else ''}"] = grad_readers(
                     variant, rank, world, mutant, f"{base[0]}/{variant}{int(mutant)}")

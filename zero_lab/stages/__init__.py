@@ -163,8 +163,10 @@ def shard(
     Hiding the communication (Megatron-LM's names; the bytes sent are the same; all off by
     default): `overlap_param_gather` (stages 1-2): `opt.step()` only issues the all-gathers
     of the updated slices; each bucket is waited for by the forward of the modules that own
-    its parameters (param_gather.py: what else waits, and `model.wait_for_params()` before
-    a raw read of a parameter between step and forward, which would be stale).
+    its parameters; a raw read of a parameter before that (`print(model[0].weight)`, an
+    EMA copy) waits for its own bucket, as does everything else that reads parameters, so
+    nothing reads a stale value (param_gather.py: ParameterInFlight; `model.wait_for_params()`
+    waits for all, explicitly).
     `overlap_grad_reduce=True` (stage 1; stages 0, 2 and 3 always do it): reduce-scatter
     each bucket during backward as soon as its gradients are in, keeping the full gradient
     buffer. `overlap_step` (stages 1-2; at stage 1 with overlap_grad_reduce): backward's end

@@ -73,13 +73,15 @@ LABEL_ATTR = "_zero_lab_at_rest"  # on a stage-3 parameter: (name, unit, full sh
 
 # Attributes that are views of the values: reading one is a read of the parameter.
 VALUE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
-# Methods that read no values: shape, storage and autograd bookkeeping, printing.
-LOOKS = frozenset({
+# Methods that read no values and hand none out: shape and autograd bookkeeping (a parameter
+# in flight, param_gather.py, lets these pass too).
+SHAPE_LOOKS = frozenset({
     "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset",
-    "is_contiguous", "is_floating_point", "is_complex", "data_ptr", "untyped_storage",
-    "get_device", "requires_grad_", "retain_grad", "register_hook",
-    "register_post_accumulate_grad_hook", "detach", "__repr__",
+    "is_contiguous", "is_floating_point", "is_complex", "data_ptr", "get_device",
+    "requires_grad_", "retain_grad", "register_hook", "register_post_accumulate_grad_hook",
 })
+# At rest also the storage, a detached alias and printing: they show the piece as it is.
+LOOKS = SHAPE_LOOKS | {"untyped_storage", "detach", "__repr__"}
 
 
 class ParameterAtRest(nn.Parameter):
@@ -126,10 +128,26 @@ def wake(p: nn.Parameter) -> None:
 _stepping: weakref.WeakSet = weakref.WeakSet()
 
 
+def is_look(func, looks: frozenset, value_attributes: frozenset) -> bool:
+    """`func`, as `__torch_function__` receives it, only looks: an attribute (p.grad, p.shape,
+    p.grad = g) other than `value_attributes`, or a method named in `looks`."""
+    if type(func) is MethodWrapperType:
+        return func.__self__.__name__ not in value_attributes
+    return func.__name__ in looks
+
+
+def instances_in(obj, cls):
+    """Every `cls` in an op's arguments, lists, tuples and dicts looked into."""
+    if isinstance(obj, cls):
+        yield obj
+        return
+    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
+    for item in items:
+        yield from instances_in(item, cls)
+
+
 def _allowed(func, args) -> bool:
-    if type(func) is MethodWrapperType:  # an attribute: p.grad, p.data, p.shape, p.grad = g
-        return func.__self__.__name__ not in VALUE_ATTRIBUTES
-    if func.__name__ in LOOKS:
+    if is_look(func, LOOKS, VALUE_ATTRIBUTES):
         return True
     if torch.is_grad_enabled():  # autograd would record a read of the piece
         return False
@@ -169,16 +187,11 @@ def _piece_in(obj) -> ParameterAtRest | None:
     """The first guarded parameter in an op's arguments (lists and dicts looked into) that is
     its piece. (Code that re-points `.data` itself, as notebook 05's exercises do with a
     bare unit, makes the parameter whole without the stage's `wake`: then it passes.)"""
-    if isinstance(obj, ParameterAtRest):
-        local = getattr(obj, LABEL_ATTR)[3]
+    for p in instances_in(obj, ParameterAtRest):
+        local = getattr(p, LABEL_ATTR)[3]
         with torch._C.DisableTorchFunctionSubclass():
-            mine = obj.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
-        return obj if mine else None
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    for item in items:
-        found = _piece_in(item)
-        if found is not None:  # (never `or`: the truth of a tensor is an op on it)
-            return found
+            if p.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+                return p
     return None
 
 

@@ -24,9 +24,9 @@ Hiding it (shard()'s options, Megatron-LM's names; the same bytes, sent at other
   (in_flight.py), while autograd goes on with earlier layers; backward's end waits for the
   last ones. The full buffer stays (it is stage 1's), so no limit on buckets in flight.
 - `overlap_param_gather=True`: step 3's all-gathers are only issued; the next forward waits
-  for each bucket in a pre-hook of the modules owning it (param_gather.py, which also lists
-  what else waits, and why a raw read of a parameter after step needs
-  `model.wait_for_params()`).
+  for each bucket in a pre-hook of the modules owning it; a raw read of a parameter
+  before then waits for its own bucket (param_gather.py's ParameterInFlight, which also
+  lists what else waits).
 - `overlap_step=True` (with overlap_grad_reduce): backward's end leaves the last
   reduce-scatters in flight; `opt.step()` updates each bucket as its slice lands and issues
   its all-gather at once.
