@@ -10,6 +10,13 @@ its trace while another still runs) and, on CUDA, ending
 with a synchronize (so that the GPU work of step k lies inside step k's window). The
 profiler's schedule skips `wait` steps and warms up for `warmup` more before it records
 `steps`: the first recorded steps would otherwise carry the profiler's own start-up.
+
+A step may leave communication in flight (shard()'s overlap_param_gather: the all-gathers
+wait for the next forward). `settle` finishes it after the last recorded step, while the
+profiler still records: a gloo work issued under the profiler keeps the profiler's record of
+it open until it finishes, and finishing after the profiler stopped wrote into freed memory
+(torch 2.13, 2 gloo ranks, stage 2 with overlap_param_gather: "free(): invalid next size",
+5 launches of 5 aborted; with the settle none of 5).
 """
 
 from __future__ import annotations
@@ -32,7 +39,8 @@ def trace_path(directory: Path | str, rank: int) -> Path:
 
 def capture(step: Callable[[], None], directory: Path | str, *, steps: int = 3,
             warmup: int = 1, wait: int = 0, device: torch.device | str = "cpu",
-            profile_memory: bool = True, record_shapes: bool = False) -> Path:
+            profile_memory: bool = True, record_shapes: bool = False,
+            settle: Callable[[], None] | None = None) -> Path:
     """Profile `steps` calls of `step()` (after `wait` + `warmup` unrecorded ones) and write
     this rank's trace to `directory/rank<r>.json`; returns its path.
 
@@ -40,6 +48,8 @@ def capture(step: Callable[[], None], directory: Path | str, *, steps: int = 3,
     lets the analysis read the size of each collective, but costs more than time: with it,
     every recorded step on 2 CPU ranks was slower than the last (stage 3: 92, 105, 165,
     326 ms; 85 ms steady without), so capture timing steps without it and sizes apart.
+    `settle()`, if given, runs after the last step (outside its window), before the
+    profiler stops: it must leave nothing in flight (`model.wait_for_params`).
     """
     if steps < 1 or warmup < 0 or wait < 0:
         raise ValueError(f"need steps >= 1 and warmup, wait >= 0; got {steps}, {warmup}, {wait}")
@@ -50,17 +60,20 @@ def capture(step: Callable[[], None], directory: Path | str, *, steps: int = 3,
     activities = [ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
+    total = wait + warmup + steps
     with profile(activities=activities,
                  schedule=schedule(wait=wait, warmup=warmup, active=steps, repeat=1),
                  on_trace_ready=lambda prof: prof.export_chrome_trace(str(path)),
                  record_shapes=record_shapes, profile_memory=profile_memory) as prof:
-        for _ in range(wait + warmup + steps):
+        for i in range(total):
             if dist.is_initialized():
                 dist.barrier()
             with mark(STEP):
                 step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
+            if settle is not None and i == total - 1:
+                settle()  # before prof.step() below ends the recording
             if dist.is_initialized():
                 # Every rank finishes the step before any writes its trace (a rank writing
                 # ~1 MB of JSON slowed another rank's last step 4x on two cores).

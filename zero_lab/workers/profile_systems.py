@@ -86,6 +86,10 @@ class Run:
         self.trainer.optimizer.zero_grad()
         self.done += 1
 
+    def settle(self) -> None:
+        """Nothing left in flight (an overlapped stage's all-gathers): see capture.py."""
+        getattr(self.trainer.model, "wait_for_params", lambda: None)()
+
     def measured_step(self, kind: str) -> float:
         """A step, timed (seconds) and its page faults counted under `kind`."""
         before, start = _minor_faults(), time.perf_counter()
@@ -100,7 +104,7 @@ class Run:
             self.profiled, self.faults["profiled"] = [], []
             path = capture(lambda: self.profiled.append(self.measured_step("profiled")),
                            out / self.name, steps=steps, device=self.info.device,
-                           profile_memory=False)
+                           profile_memory=False, settle=self.settle)
             disturbed = torch.tensor([float(min(self.profiled[-steps:]) >
                                             SLOWER * min(self.times) + 0.002)])
             dist.all_reduce(disturbed, op=dist.ReduceOp.MAX)  # the ranks decide together
@@ -115,7 +119,8 @@ class Run:
         twin's (the two unrecorded warm-up steps keep the turn)."""
         turn = itertools.cycle((self, twin))
         return capture(lambda: next(turn).step(), out / f"{self.name}_ab", steps=2 * steps,
-                       warmup=2, device=self.info.device, profile_memory=False)
+                       warmup=2, device=self.info.device, profile_memory=False,
+                       settle=lambda: (self.settle(), twin.settle()))
 
     def ledger_step(self, out: Path) -> tuple[list[dict], int]:
         """One more step under the profiler (with shapes and memory) and a CommLedger.
@@ -132,7 +137,8 @@ class Run:
                 self.step()
 
         capture(step, out / self.name / "ledger", steps=1, warmup=0, device=self.info.device,
-                record_shapes=True, profile_memory=True)  # sizes and memory, not timings
+                record_shapes=True, profile_memory=True,  # sizes and memory, not timings
+                settle=self.settle)
         return [{"op": r.op, "numel": r.numel, "nbytes": r.nbytes} for r in ledger.records], held
 
 
