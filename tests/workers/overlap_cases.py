@@ -40,11 +40,11 @@ CLIP = 0.05  # below the gradient norm of these models: clipping is active
 
 PG, GR, ST = "overlap_param_gather", "overlap_grad_reduce", "overlap_step"
 VARIANTS = {  # name: (stage, shard() options); "plain" ones are what the others must equal
-    "stage1": (1, {}),
+    "stage1": (1, {PG: False}),
     "stage1_param_gather": (1, {PG: True}),
     "stage1_grad_reduce": (1, {GR: True}),
     "stage1_all": (1, {PG: True, GR: True, ST: True}),
-    "stage2": (2, {}),
+    "stage2": (2, {PG: False}),
     "stage2_param_gather": (2, {PG: True}),
     "stage2_all": (2, {PG: True, ST: True}),
 }

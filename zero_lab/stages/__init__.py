@@ -103,7 +103,7 @@ def shard(
     grad_accumulation: str = "sharded",
     reshard_after_forward: bool = True,
     mesh=None,
-    overlap_param_gather: bool = False,
+    overlap_param_gather: bool | None = None,
     overlap_grad_reduce: bool | None = None,
     overlap_step: bool = False,
 ) -> tuple[nn.Module, ShardedOptimizer]:
@@ -160,19 +160,20 @@ def shard(
     replicated across the groups; all-gathers stay inside a group, gradients are
     reduce-scattered inside it and their slices all-reduced across; the CommLedger records
     each collective's level.
-    Hiding the communication (Megatron-LM's names; the bytes sent are the same; all off by
-    default): `overlap_param_gather` (stages 1-2): `opt.step()` only issues the all-gathers
-    of the updated slices; each bucket is waited for by the forward of the modules that own
-    its parameters; a raw read of a parameter before that (`print(model[0].weight)`, an
-    EMA copy) waits for its own bucket, as does everything else that reads parameters, so
-    nothing reads a stale value (param_gather.py: ParameterInFlight; `model.wait_for_params()`
-    waits for all, explicitly).
-    `overlap_grad_reduce=True` (stage 1; stages 0, 2 and 3 always do it): reduce-scatter
-    each bucket during backward as soon as its gradients are in, keeping the full gradient
-    buffer. `overlap_step` (stages 1-2; at stage 1 with overlap_grad_reduce): backward's end
-    leaves the last reduce-scatters in flight and `opt.step()` updates each bucket as soon
-    as its gradient lands and issues its all-gather; whatever reads gradients first waits
-    (clip_grad_norm_, checkpoint.save; `opt.wait_for_grads()` before a read of your own).
+    Hiding the communication (Megatron-LM's names; the bytes sent are the same):
+    `overlap_param_gather` (stages 1-2; on by default there, False for the plain stage):
+    `opt.step()` only issues the all-gathers of the updated slices; each bucket is waited
+    for by the forward of the modules that own its parameters; a raw read of a parameter
+    before that (`print(model[0].weight)`, an EMA copy) waits for its own bucket, as does
+    everything else that reads parameters, so nothing reads a stale value (param_gather.py:
+    ParameterInFlight; `model.wait_for_params()` waits for all, explicitly).
+    `overlap_grad_reduce=True` (stage 1, off by default; stages 0, 2 and 3 always do it):
+    reduce-scatter each bucket during backward as soon as its gradients are in, keeping the
+    full gradient buffer. `overlap_step` (stages 1-2; at stage 1 with overlap_grad_reduce):
+    backward's end leaves the last reduce-scatters in flight and `opt.step()` updates each
+    bucket as soon as its gradient lands and issues its all-gather; whatever reads gradients
+    first waits (clip_grad_norm_, checkpoint.save; `opt.wait_for_grads()` before a read of
+    your own).
     Needs an initialised default
     process group; call it on every rank: the ranks first check they were all given the
     same model and settings (one small all-gather), and refuse together if not.
@@ -180,8 +181,8 @@ def shard(
     check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
                      unit_classes, find_unused_parameters, check_order, root_params)
     check_accumulation_arguments(stage, grad_accumulation, reshard_after_forward)
-    overlap_grad_reduce = check_overlap(stage, zero1_variant, overlap_param_gather,
-                                        overlap_grad_reduce, overlap_step)
+    overlap_param_gather, overlap_grad_reduce = check_overlap(
+        stage, zero1_variant, overlap_param_gather, overlap_grad_reduce, overlap_step)
     if not isinstance(broadcast_buffers, bool):
         raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
     if not isinstance(check_lockstep, bool):

@@ -1,5 +1,6 @@
-"""Stages 1-2, `overlap_param_gather=True`: the updated parameters come back under the next
-forward, bucket by bucket (Megatron-LM's distributed optimizer does the same under this name).
+"""Stages 1-2, `overlap_param_gather=True` (shard()'s default there): the updated parameters
+come back under the next forward, bucket by bucket (Megatron-LM's distributed optimizer does
+the same under this name).
 
 Without it, `opt.step()` all-gathers every rank's updated slice and waits: nothing else runs
 meanwhile. With it, `opt.step()` only *issues* one asynchronous all-gather per bucket, in the

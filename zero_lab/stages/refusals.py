@@ -61,12 +61,16 @@ def check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_vari
 
 
 def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduce,
-                  overlap_step) -> bool:
+                  overlap_step) -> tuple[bool, bool]:
     """shard()'s options that hide communication (param_gather.py, in_flight.py): where each
     applies. Stage 0 has no all-gather and stages 0, 2 and 3 always reduce during backward;
     stage 3 gathers before each unit's forward (its prefetch) and steps at rest. Returns
-    overlap_grad_reduce resolved: None means the stage's way (stage 1: when backward ends;
-    reducing during backward measured no faster on 2 CPU cores, see bench_systems.py)."""
+    (overlap_param_gather, overlap_grad_reduce) resolved, None meaning the stage's way:
+    the all-gather under the next forward at stages 1-2 (measured 7-11% faster on 2 CPU
+    ranks; a raw read waits for its bucket, param_gather.py); stage 1 reduces when backward
+    ends (reducing during backward measured no faster on 2 CPU cores, see bench_systems.py)."""
+    if overlap_param_gather is None:
+        overlap_param_gather = stage in (1, 2)
     if overlap_grad_reduce is None:
         overlap_grad_reduce = stage != 1
     for name, value in (("overlap_param_gather", overlap_param_gather),
@@ -90,7 +94,7 @@ def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduc
         raise ValueError("overlap_step at stage 1 needs overlap_grad_reduce=True: the "
                          "optimizer steps each bucket as its reduce-scatter lands, which "
                          "only happens when they are sent during backward")
-    return overlap_grad_reduce
+    return overlap_param_gather, overlap_grad_reduce
 
 
 def refuse_batch_statistics(name: str, module: nn.Module, _args) -> None:
