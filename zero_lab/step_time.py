@@ -126,8 +126,7 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
         the phase's compute; collectives share the link one at a time (their times add).
     `gather_after_step=True` describes implementations that all-gather the parameters after
     the optimizer step instead (this course's stages 1-2 with overlap_param_gather=False,
-    DeepSpeed ZeRO-1/2): nothing
-    computes then, so by the same rule none of that gather hides.
+    DeepSpeed ZeRO-1/2): nothing computes then, so by the same rule none of that gather hides.
     `replicas=R` > 1 (stage 3 only): hybrid sharding (HSDP, stages/hybrid.py) on R groups of
     S = N/R ranks. Its all-gathers and reduce-scatters run on the S ranks of a group (on a
     Machine, S must be whole nodes: with S = node_size they never leave NVLink); each
