@@ -7,8 +7,7 @@ mutant, its waits switched off, reads something else)."""
 from __future__ import annotations
 
 import pytest
-
-from tests.common import case_reports
+from common import case_reports
 
 FP32_ATOL = 1e-6  # as tests/test_stages.py (Adam with eps 1e-6, lr 1e-3: measured ~2e-7)
 READ_ATOL = 2e-5  # the readers' runs use lr 1e-2: float32 drift ~3e-6 (overlap_cases.py)

@@ -53,9 +53,8 @@ from torch import nn
 
 from zero_lab.partition import FlatParamGroup
 from zero_lab.stages.accumulation import MICRO_BATCHES_DIFFER, refuse_unsynced_step
-from zero_lab.stages.in_flight import InFlight
+from zero_lab.stages.in_flight_work import InFlightWork
 from zero_lab.stages.lockstep import Lockstep
-from zero_lab.stages.param_gather import ParamGather
 
 
 def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], None]:
@@ -75,7 +74,7 @@ def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], N
     return hook
 
 
-class GradientSync:
+class GradientSync(InFlightWork):
     """Base class of the stages: runs the hooks, calls the stage's methods in order.
 
     `step_params[i]` is the tensor the optimizer updates for group i (the whole flat buffer
@@ -122,12 +121,7 @@ class GradientSync:
         self.unsynced = False
         self.backwards_since_step = 0  # in the lockstep check's fingerprint
         self._arrived_unsynced: list[list[bool]] | None = None  # find_unused, under no_sync
-        # Overlap (shard()'s options, stages 1-2): the all-gathers of updated parameters left
-        # in flight for the next forward (param_gather.py), and reductions left in flight
-        # after backward for the optimizer to step bucket by bucket (`overlap_step`).
-        self.param_gather: ParamGather | None = None
-        self.reductions: InFlight | None = None  # stages 1-2: reductions sent, not landed
-        self.overlap_step = False
+        self.init_in_flight()  # overlap (in_flight_work.py): nothing in flight yet
         self._hook_handles: list = []
         for g, group in enumerate(groups):
             for i, p in enumerate(group.params):
@@ -369,45 +363,6 @@ class GradientSync:
     def full_flat_params(self, g: int) -> torch.Tensor:
         """Group g's full flat parameters (stages 0-2 hold them; stage 3 all-gathers)."""
         return self.groups[g].flat
-
-    def all_gather_params(self, gs: list[int] | None = None) -> None:
-        """Stages 1 and 2, after the optimizer step: every rank's updated slice -> the full
-        parameters everywhere, one all_gather_single per group (not N broadcasts); with
-        overlap_param_gather only issued, for the next forward to wait on (param_gather.py)."""
-        if self.param_gather is not None:
-            self.param_gather.issue(gs)
-            return
-        for g in range(len(self.groups)) if gs is None else gs:
-            group = self.groups[g]
-            group.all_gather(group.flat, group.shard(group.flat))  # in place
-
-    # ------------------------------------------------------------------ what is in flight
-    def wait_for_params(self) -> None:
-        """Every parameter whole and up to date: the all-gathers opt.step() left in flight
-        (overlap_param_gather) are finished. Nothing to do otherwise."""
-        if self.param_gather is not None:
-            self.param_gather.wait_all()
-
-    def finish_reductions(self) -> None:
-        """Every gradient reduction still in flight has landed (stages 1-2 send them)."""
-        if self.reductions is not None:
-            self.reductions.land(keep=0)
-
-    def land_through(self, g: int) -> None:
-        """overlap_step: group g's reduction (and those sent before it) has landed."""
-        if self.reductions is not None:
-            self.reductions.land_through(g)
-
-    def settle(self) -> None:
-        """Nothing in flight any more: gradients final, parameters whole."""
-        self.finish_reductions()
-        self.wait_for_params()
-
-    def landing_order(self) -> list[int]:
-        """overlap_step: the order the optimizer steps groups in: those landed already, then
-        those in flight, in the order they were sent."""
-        sent = self.reductions.groups() if self.reductions is not None else []
-        return [g for g in range(len(self.groups)) if g not in sent] + sent
 
     # ------------------------------------------------------------------ what stages define
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
