@@ -55,17 +55,19 @@ def test_bytes_per_step_are_the_plain_stages(reports):
 def test_every_reader_waits_for_the_collectives_in_flight():
     readers = case_reports("overlap", 2)[0]["readers"]
     for variant in ("stage1_param_gather", "stage2_param_gather"):
-        right, mutant = readers[variant], readers[f"{variant}-mutant"]
-        for reader in PARAM_READERS:
-            assert right[reader] <= READ_ATOL, (variant, reader, right[reader])
-            assert mutant[reader] > STALE, (variant, reader, "the mutant read right")
-        assert right["step_again"] <= READ_ATOL, variant
+        _assert_waits(readers, variant, PARAM_READERS)
+        assert readers[variant]["step_again"] <= READ_ATOL, variant
     for variant in ("stage1_all", "stage2_all"):
-        right, mutant = readers[variant], readers[f"{variant}-mutant"]
-        for reader in GRAD_READERS:
-            assert right[reader] <= READ_ATOL, (variant, reader, right[reader])
-            assert mutant[reader] > STALE, (variant, reader, "the mutant read right")
-        assert right["checkpoint_save"] <= READ_ATOL, variant
+        _assert_waits(readers, variant, GRAD_READERS)
+        assert readers[variant]["checkpoint_save"] <= READ_ATOL, variant
+
+
+def _assert_waits(readers: dict, variant: str, names) -> None:
+    """Each reader of `variant` read the one-process value; its mutant (waits off) did not."""
+    right, mutant = readers[variant], readers[f"{variant}-mutant"]
+    for reader in names:
+        assert right[reader] <= READ_ATOL, (variant, reader, right[reader])
+        assert mutant[reader] > STALE, (variant, reader, "the mutant read right")
 
 
 def test_a_raw_read_of_a_parameter_in_flight_waits_for_its_bucket():
