@@ -18,6 +18,9 @@ measures and rejects a mutant, the mistake it is there to catch.
     2. bytes sent vs projection       check_projected_bytes               the ring factor dropped
     2. measured vs projected          same_launch_error (printed, not     a twin timed in other
        (the error, computed)          asserted: a timing)                 rounds than the stage
+    3. overlap_step's saving          check_overlap_step_saving           overlap_step ignored (0
+                                                                          saved), every reduction
+                                                                          hidden under the step
     3. decision table                 check_decision_table                recommend() without its
                                                                           reserve, 79.2 of 80 GiB,
                                                                           "checkpoint activations"
@@ -183,6 +186,32 @@ def scenario(n_params, gpus, reserve_fraction=projection.RESERVE_FRACTION,
                                 activation_bytes=acts, buckets=shape["n_layers"],
                                 reserve_fraction=reserve_fraction,
                                 activations_checkpointed=activations_checkpointed)
+
+
+def _stage2_steps(n_params: float, saved_by_mutant=None) -> tuple[float, float]:
+    """Notebook 07's stage-2 step at 64 DGX GPUs without and with overlap_step."""
+    compute = projection.compute_time(n_params, 4 * 4096, 0.4 * 989e12)
+    adam = projection.optimizer_time(n_params, 2, 64, 0.6 * 3.35e12)
+    plain, stepped = (projection.project_step(n_params, 2, 64, "dgx_h100", compute,
+                                              optimizer_s=adam, overlap_step=on)
+                      for on in (False, True))
+    if saved_by_mutant is not None:
+        return plain["step_s"], plain["step_s"] - saved_by_mutant(plain)
+    return plain["step_s"], stepped["step_s"]
+
+
+@pytest.mark.parametrize("n_params", [7e9, 70e9])
+def test_overlap_step_check_accepts_the_projection(n_params):
+    assert 0 < checks.check_overlap_step_saving(*_stage2_steps(n_params)) < 0.001
+
+
+@pytest.mark.parametrize("mutant", [
+    lambda step: 0.0,                                   # overlap_step ignored
+    lambda step: step["comm_s"]["reduce_scatter"],      # every reduction hidden under the step
+])
+def test_overlap_step_check_rejects_nothing_saved_or_every_reduction_hidden(mutant):
+    with pytest.raises(AssertionError, match="overlap_step saves"):
+        checks.check_overlap_step_saving(*_stage2_steps(7e9, mutant))
 
 
 def test_decision_table_check_accepts_the_notebooks_table():

@@ -173,6 +173,46 @@ def test_one_overlap_rule_for_every_stage():
     assert short["exposed_s"] == pytest.approx(short["comm_total_s"] - 2e-3 / 3)
 
 
+def test_optimizer_time_is_the_owned_elements_at_adams_bytes():
+    # 28 bytes per owned element (gradient 2 + master, m, v read and written 24 + copy 2)
+    assert projection.ADAM_BYTES_PER_ELEM == 28
+    assert projection.optimizer_time(7e9, 0, 64, 2e12) == pytest.approx(7e9 * 28 / 2e12)
+    for stage in (1, 2, 3):  # a rank updates only its 1/N slice
+        assert projection.optimizer_time(7e9, stage, 64, 2e12) == pytest.approx(
+            7e9 / 64 * 28 / 2e12)
+    with pytest.raises(ValueError, match="bytes_per_s must be a finite number > 0"):
+        projection.optimizer_time(7e9, 1, 8, 0)
+
+
+def test_overlap_step_hides_the_last_reduction_under_the_other_buckets_steps():
+    kwargs = dict(n_params=1e9, stage=2, world_size=8, link="infiniband_ndr", compute_s=10.0,
+                  buckets=10)
+    plain = project_step(**kwargs, optimizer_s=0.5)
+    rs = plain["comm_s"]["reduce_scatter"] / 10
+    # the optimizer step adds to the step; nothing hides under it without overlap_step
+    assert plain["step_s"] == pytest.approx(10.0 + 0.5 + plain["exposed_s"])
+    assert plain["exposed_s"] == pytest.approx(project_step(**kwargs)["exposed_s"])
+    stepped = project_step(**kwargs, optimizer_s=0.5, overlap_step=True)
+    assert stepped["exposed_s"] == pytest.approx(plain["exposed_s"] - rs)  # 0.45 s >> rs
+    # under 9 of the 10 buckets' steps only: a short optimizer step hides less
+    short = project_step(**kwargs, optimizer_s=rs, overlap_step=True)
+    assert short["exposed_s"] == pytest.approx(plain["exposed_s"] - 0.9 * rs)
+    # the same rule's overlap fraction, and nothing to gain without an optimizer time
+    for extra, expected in (({"overlap": 0.0}, 0.0), ({"overlap": 0.5}, 0.5 * rs),
+                            ({"optimizer_s": 0.0}, 0.0)):
+        base = project_step(**{**kwargs, "optimizer_s": 0.5, **extra})
+        with_step = project_step(**{**kwargs, "optimizer_s": 0.5, **extra}, overlap_step=True)
+        assert base["exposed_s"] - with_step["exposed_s"] == pytest.approx(expected), extra
+
+
+@pytest.mark.parametrize("stage, value, words", [
+    (0, True, "True only at stages 1-2 (as in shard()); got True at stage 0"),
+    (3, True, "got True at stage 3"), (2, 1, "got 1 at stage 2")])
+def test_overlap_step_is_refused_where_shard_refuses_it(stage, value, words):
+    with pytest.raises(ValueError, match=words.replace("(", r"\(").replace(")", r"\)")):
+        project_step(1e9, stage, 8, "infiniband_ndr", 1.0, optimizer_s=0.1, overlap_step=value)
+
+
 @pytest.mark.parametrize("link, n", [("infiniband_ndr", 64), ("dgx_h100", 64), ("nvlink4", 8),
                                      ("pcie4", 4), ("ethernet_100g", 256)])
 @pytest.mark.parametrize("overlap", [0.0, 0.4, 1.0])

@@ -42,6 +42,7 @@ from zero_lab.interconnect import (  # noqa: F401  (re-exported: the projection'
     max_world_size,
 )
 from zero_lab.step_time import (  # noqa: F401  (re-exported: one step's time)
+    ADAM_BYTES_PER_ELEM,
     COLLECTIVES_PER_BUCKET,
     DEFAULT_BUCKETS,
     DEFAULT_OVERLAP,
@@ -51,6 +52,7 @@ from zero_lab.step_time import (  # noqa: F401  (re-exported: one step's time)
     _number,
     _stage,
     compute_time,
+    optimizer_time,
     oversubscribed,
     project_step,
 )

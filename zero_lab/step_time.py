@@ -8,6 +8,7 @@ can also run as hybrid sharding (HSDP, `replicas=R`): sharded inside groups of N
 its gradient slices all-reduced across the groups (stages/hybrid.py builds it for real).
 
     compute_time      forward + backward seconds from 6Ψ FLOPs a token
+    optimizer_time    one rank's Adam update: the elements it owns, memory-bound
     oversubscribed    one rank's compute when N single-threaded ranks share fewer cores
     project_step      one training step per stage: communication, its latency and bandwidth
                       terms, the bytes that cross the network, the exposed part, the step
@@ -34,6 +35,10 @@ DEFAULT_BUCKETS = 32
 # Ideal overlap: all hideable communication runs under compute (a lower bound on step time).
 DEFAULT_OVERLAP = 1.0
 FORWARD_SHARE = 1 / 3  # backward costs about twice the forward's FLOPs (Kaplan et al. 2020)
+# Adam's update is memory-bound: per element it owns, a rank reads the gradient (2 bytes in
+# bf16 or 4 in fp32), reads and writes the fp32 master weight, m and v (24), and writes the
+# 16-bit working copy (2, mixed precision only): 28 bytes either way.
+ADAM_BYTES_PER_ELEM = 28
 
 
 def _too_large(name: str, value) -> None:
@@ -76,6 +81,17 @@ def compute_time(n_params: float, tokens: float, flops_per_s: float) -> float:
     return 6.0 * n_params * tokens / flops_per_s
 
 
+def optimizer_time(n_params: float, stage: int, world_size: int, bytes_per_s: float) -> float:
+    """Seconds of one rank's Adam step: the elements it updates (Ψ at stage 0, Ψ/N at stages
+    1-3) x ADAM_BYTES_PER_ELEM / the memory bandwidth achieved (an H100's 3.35 TB/s HBM3 at
+    ~60% gives about 2e12)."""
+    _number("n_params", n_params)
+    n = _integer("world_size", world_size)
+    _number("bytes_per_s", bytes_per_s)
+    owned = n_params if _stage(stage) == 0 else n_params / n
+    return owned * ADAM_BYTES_PER_ELEM / bytes_per_s
+
+
 def oversubscribed(compute_s: float, world_size: int, cores: int) -> float:
     """One rank's compute when `world_size` single-threaded ranks share `cores` cores: each
     gets cores/N of a core once N > cores, so its compute stretches by N/cores."""
@@ -102,7 +118,8 @@ def _collectives(stage: int, k: int) -> dict[str, int]:
 def project_step(n_params: float, stage: int, world_size: int, link, compute_s: float,
                  bytes_per_elem: int = 2, buckets: int = DEFAULT_BUCKETS,
                  overlap: float = DEFAULT_OVERLAP, gather_after_step: bool = False,
-                 replicas: int = 1) -> dict:
+                 replicas: int = 1, optimizer_s: float = 0.0,
+                 overlap_step: bool = False) -> dict:
     """One data-parallel training step at ZeRO `stage`, projected on `link` (a Link or a
     Machine, or its name; or an OpLinks, which prices each kind of collective on its own
     link: this machine's all-reduce as gloo's ring, its reduce-scatters and all-gathers as
@@ -124,6 +141,11 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
         bucket's run under backward.
       - of what could hide, the fraction `overlap` does (1: ideal; 0: none), never more than
         the phase's compute; collectives share the link one at a time (their times add).
+    `optimizer_s` is the optimizer step's time (`optimizer_time`), added to the step; nothing
+    hides under it, unless `overlap_step=True` (stages 1-2, shard()'s option of that name):
+    each bucket is stepped as its gradient slice lands, so the last reduction, which nothing
+    in backward hides, runs under the other k - 1 buckets' steps (at most (k-1)/k of
+    `optimizer_s`, times `overlap`).
     `gather_after_step=True` describes implementations that all-gather the parameters after
     the optimizer step instead (this course's stages 1-2 with overlap_param_gather=False,
     DeepSpeed ZeRO-1/2): nothing computes then, so by the same rule none of that gather hides.
@@ -133,11 +155,11 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     reduce-scatter is followed by an all-reduce of its 1/S slice across the R groups
     (`_across_terms`), in backward, under the same rule.
 
-    Returns {"stage", "world_size", "link", "compute_s", "comm_s" (per collective kind),
+    Returns {"stage", "world_size", "link", "compute_s", "optimizer_s", "comm_s" (per kind),
     "comm_total_s", "latency_s" and "bandwidth_s" (comm_total_s's two terms),
     "bytes_sent" (per rank), "volume_psi" (the ZeRO paper's volume, in Ψ: 2, 2, 2, 3),
     "collectives" (per step), "calls" (per step, by kind), "exposed_s", "step_s"
-    (compute_s + exposed_s), "comm_share", "network_bytes" (what one GPU sends over a
+    (compute_s + optimizer_s + exposed_s), "comm_share", "network_bytes" (what one GPU sends over a
     Machine's network per step; 0 inside one node or on a Link), "replicas"}.
     """
     _number("n_params", n_params)
@@ -151,6 +173,10 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     if not isinstance(gather_after_step, bool):
         raise ValueError(f"gather_after_step must be True or False; got {gather_after_step!r}")
     r = _integer("replicas", replicas)
+    _number("optimizer_s", optimizer_s, strict=False)
+    if not isinstance(overlap_step, bool) or overlap_step and stage not in (1, 2):
+        raise ValueError(f"overlap_step is True or False, and True only at stages 1-2 (as in "
+                         f"shard()); got {overlap_step!r} at stage {stage}")
     if r > 1 and (stage != 3 or n % r):
         raise ValueError(f"replicas={r} is hybrid sharding: stage 3 on a world size it divides; "
                          f"got stage {stage}, world_size {n}")
@@ -180,10 +206,13 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
                   (k * (gather + scatter), gather + scatter, backward)]
     exposed = sum(total - min(overlap * (total - always), under)
                   for total, always, under in phases)
+    if overlap_step:  # the last reduction (exposed above) under the other buckets' steps
+        exposed -= min(overlap * one["reduce_scatter"], optimizer_s * (k - 1) / k)
     comm = {op: count * one[op] for op, count in calls.items()}
-    step = compute_s + exposed
+    step = compute_s + optimizer_s + exposed
     return {
         "stage": stage, "world_size": n, "link": lk.name, "compute_s": compute_s,
+        "optimizer_s": optimizer_s,
         "comm_s": comm, "comm_total_s": sum(comm.values()),
         "latency_s": sum(c * terms[op]["latency_s"] for op, c in calls.items()),
         "bandwidth_s": sum(c * terms[op]["bandwidth_s"] for op, c in calls.items()),

@@ -23,7 +23,7 @@ from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
-from zero_lab.stages.mixed_precision import mixed_precision_reference
+from zero_lab.stages.mixed_precision import group_layout, mixed_precision_reference
 
 STEPS = 3
 GLOBAL_BATCH = 12  # splits evenly over 1-4 ranks
@@ -58,13 +58,7 @@ def _ledger_step(model, opt, batch) -> list[list]:
         W.next_token_loss(model, batch).backward()
         opt.step()
         opt.zero_grad()
-    return sorted([r.op, r.dtype, r.numel] for r in ledger.records)
-
-
-def _groups(sync) -> list[dict]:
-    return [{"padded": g.padded_numel, "numel": g.numel, "dtype": str(g.dtype),
-             "reduce_fp32": type(g).__name__ == "ReducedInFp32",
-             "replicated": sync.replicated[i]} for i, g in enumerate(sync.groups)]
+    return ledger.signature()
 
 
 def recompute_case(stage: int, recompute: bool, rank: int, world: int) -> dict:
@@ -80,7 +74,7 @@ def recompute_case(stage: int, recompute: bool, rank: int, world: int) -> dict:
         "stage": stage, "recompute": recompute, "digest": digest(full),
         "max_abs_diff": max((full[k] - ref_full[k]).abs().max().item() for k in ref_full),
         "peak_bytes": res["peak_bytes"], "held_after_step": res["held_after_step"]["total"],
-        "groups": _groups(opt.sync),
+        "groups": group_layout(opt.sync),
         "ledger": _ledger_step(model, opt, local(STEPS)),
     }
     return out
@@ -111,7 +105,7 @@ def precision_case(stage: int, recipe: str, rank: int, world: int) -> dict:
         "stage": stage, "recipe": recipe, "ref_digest": digest(ref_full),
         "max_abs_diff": max((full[k].float() - ref_full[k].float()).abs().max().item()
                             for k in ref_full),
-        "losses": res["losses"], "groups": _groups(opt.sync), "ledger": ledger,
+        "losses": res["losses"], "groups": group_layout(opt.sync), "ledger": ledger,
         "seen": seen, "held_after_step": res["held_after_step"],
         "n_trainable": W.count_parameters(ref, trainable_only=True),
     }

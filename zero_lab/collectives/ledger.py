@@ -115,6 +115,11 @@ class CommLedger(TorchDispatchMode):
         return func(*args, **kwargs)
 
     # ------------------------------------------------------------------ queries
+    def signature(self) -> list[list]:
+        """[op, dtype, numel] of every data collective, sorted: two runs sent the same
+        collectives of the same sizes exactly when their signatures are equal."""
+        return sorted([r.op, r.dtype, r.numel] for r in self.records)
+
     def _select(self, op: str | None, level: str | None = None) -> list[CommRecord]:
         return [r for r in self.records
                 if (op is None or r.op == op) and (level is None or r.level == level)]

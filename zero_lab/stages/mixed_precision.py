@@ -148,6 +148,14 @@ def cast_around(module: nn.Module, inputs: torch.dtype, outputs: torch.dtype) ->
     module.register_forward_hook(lambda _m, _args, out: cast_floats(out, outputs))
 
 
+def group_layout(sync) -> list[dict]:
+    """What a precision policy built, group by group (`opt.sync.groups`): elements, padded
+    elements, dtype, whether its gradient is reduced in fp32, whether it is replicated."""
+    return [{"padded": g.padded_numel, "numel": g.numel, "dtype": str(g.dtype),
+             "reduce_fp32": isinstance(g, ReducedInFp32), "replicated": sync.replicated[i]}
+            for i, g in enumerate(sync.groups)]
+
+
 class ReducedInFp32(FlatParamGroup):
     """A flat group whose gradient reductions run in fp32 (FSDP2's reduce_dtype=float32).
 

@@ -35,7 +35,7 @@ from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
-from zero_lab.stages.mixed_precision import mixed_precision_reference
+from zero_lab.stages.mixed_precision import group_layout, mixed_precision_reference
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -95,13 +95,7 @@ def ledger_step(setup: Setup, model, opt) -> list[list]:
         W.next_token_loss(model, setup.local_batch(setup.args.steps)).backward()
         opt.step()
         opt.zero_grad()
-    return sorted([r.op, r.dtype, r.numel] for r in ledger.records)
-
-
-def layout(sync) -> list[dict]:
-    return [{"padded": g.padded_numel, "numel": g.numel, "dtype": str(g.dtype),
-             "reduce_fp32": type(g).__name__ == "ReducedInFp32",
-             "replicated": sync.replicated[i]} for i, g in enumerate(sync.groups)]
+    return ledger.signature()
 
 
 def recompute_run(setup: Setup, stage: int, recompute: bool) -> dict:
@@ -109,7 +103,7 @@ def recompute_run(setup: Setup, stage: int, recompute: bool) -> dict:
     res = W.train(model, opt, setup.local_batch, W.next_token_loss, setup.args.steps)
     return {"stage": stage, "recompute": recompute, "peak_bytes": res["peak_bytes"],
             "held_bytes": res["held_after_step"]["total"], "step_times": res["step_times"],
-            "digest": digest(full_state_dict(model)), "groups": layout(opt.sync),
+            "digest": digest(full_state_dict(model)), "groups": group_layout(opt.sync),
             "ledger": ledger_step(setup, model, opt)}
 
 
@@ -151,7 +145,7 @@ def precision_run(setup: Setup, recipe: str, fp32: dict) -> dict:
             "from_reference": distance(weights, reference),
             "reference_from_fp32": distance(reference, fp32),
             "held_bytes": res["held_after_step"]["total"], "peak_bytes": res["peak_bytes"],
-            "step_times": res["step_times"], "groups": layout(opt.sync), "ledger": ledger,
+            "step_times": res["step_times"], "groups": group_layout(opt.sync), "ledger": ledger,
             "seen": seen}
 
 
