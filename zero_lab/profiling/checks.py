@@ -91,12 +91,15 @@ def check_busy_exceeds_computing(b: dict[str, float], system: str = "") -> None:
 # model and recording (medians of 7 steps in turn per rank) on 2 cores, stages 1-2 gathering
 # under the next forward (their default since issue 24): the right analysis gave 1.14 to
 # 1.21 idle (3 runs) and 1.12 to 1.49 with two to four busy processes beside it (24 runs,
-# 1.5 to 3.0 per core), and 1.67 once in 11 soak runs, outside the band of 0.7-1.6 measured
-# when stages 1-2 gathered after the step; an analysis that counts the hidden communication
-# as exposed gave 2.14 to 2.57 in the same runs (and 1.79 on the quietest run of the older
-# stages, inside this band: the check's second condition fails it); one that drops the
-# exposed part gives 0.
-AB_LOW, AB_HIGH = 0.7, 2.0
+# 1.5 to 3.0 per core), 1.67 once in 11 soak runs (outside the first band, 0.7-1.6,
+# measured when stages 1-2 gathered after the step), and 2.25 once with another notebook's
+# two ranks running beside the two busy processes (3 per core). An analysis that counts the
+# hidden communication as exposed gave 2.14 to 2.57 in the same runs and 1.79 on the
+# quietest run of the older stages: no band separates it from the right one on a busy
+# machine, so the check's second condition is what fails it, at any load. The band fails an
+# analysis that drops the exposed part (0) or loses most of it, and one that adds nested
+# events' durations instead of taking their union (several times the saving).
+AB_LOW, AB_HIGH = 0.7, 3.0
 # ... and for how busy a machine. At 7-9 per core (other programs' tests beside the
 # recording) the right analysis reached 1.61, 1.68 and 1.97 (stages 1-2 gathering after the
 # step): there a core runs four programs in turn, a collective's thread waits its turn after
