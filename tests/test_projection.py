@@ -205,6 +205,23 @@ def test_overlap_step_hides_the_last_reduction_under_the_other_buckets_steps():
         assert base["exposed_s"] - with_step["exposed_s"] == pytest.approx(expected), extra
 
 
+def test_a_control_collective_costs_its_latency_and_hides_nowhere():
+    kwargs = dict(n_params=1e9, stage=3, world_size=8, link="nvlink4", compute_s=1.0)
+    plain, checked = project_step(**kwargs), project_step(**kwargs, control=1)
+    # the lockstep check: an all-gather of 24 bytes a rank, 7 ring steps on NVLink
+    one = projection.collective_time("all_gather", 24 * 8, 8, "nvlink4")
+    assert checked["control_s"] == pytest.approx(one) and plain["control_s"] == 0
+    assert checked["exposed_s"] == pytest.approx(plain["exposed_s"] + one)
+    assert checked["step_s"] == pytest.approx(plain["step_s"] + one)
+    assert checked["calls"] == plain["calls"]  # not data: the ledger's counts are unchanged
+    assert project_step(**{**kwargs, "world_size": 1}, control=1)["control_s"] == 0
+    # on this machine's fits, by torch's collective: the all-reduce's ring link, N-1 steps
+    links = _here()
+    here = project_step(1e6, 2, 2, links, 0.02, control=1)
+    ring = links.link("all_reduce")
+    assert here["control_s"] == pytest.approx(ring.alpha + 24 * ring.beta)
+
+
 @pytest.mark.parametrize("stage, value, words", [
     (0, True, "True only at stages 1-2 (as in shard()); got True at stage 0"),
     (3, True, "got True at stage 3"), (2, 1, "got 1 at stage 2")])

@@ -22,7 +22,7 @@ import sys
 from numbers import Integral
 
 from zero_lab.collectives.cost_model import ring_bytes_sent, ring_steps, zero_volume
-from zero_lab.interconnect import Machine, collective_terms, get_link
+from zero_lab.interconnect import Machine, OpLinks, collective_terms, get_link
 from zero_lab.interconnect import _integer as _checked_integer
 from zero_lab.interconnect import _number as _checked_number
 
@@ -119,7 +119,7 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
                  bytes_per_elem: int = 2, buckets: int = DEFAULT_BUCKETS,
                  overlap: float = DEFAULT_OVERLAP, gather_after_step: bool = False,
                  replicas: int = 1, optimizer_s: float = 0.0,
-                 overlap_step: bool = False) -> dict:
+                 overlap_step: bool = False, control: int = 0) -> dict:
     """One data-parallel training step at ZeRO `stage`, projected on `link` (a Link or a
     Machine, or its name; or an OpLinks, which prices each kind of collective on its own
     link: this machine's all-reduce as gloo's ring, its reduce-scatters and all-gathers as
@@ -141,6 +141,10 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
         bucket's run under backward.
       - of what could hide, the fraction `overlap` does (1: ideal; 0: none), never more than
         the phase's compute; collectives share the link one at a time (their times add).
+    `control` small blocking collectives a step carry no data: this course's lockstep check
+    (`shard(..., check_lockstep=True)`, stages/lockstep.py) is one all-gather of 24 bytes a
+    rank, sent by torch's collective (on an OpLinks, priced on its all-reduce's ring link).
+    Each costs its latency and nothing hides it (the step waits for the answer).
     `optimizer_s` is the optimizer step's time (`optimizer_time`), added to the step; nothing
     hides under it, unless `overlap_step=True` (stages 1-2, shard()'s option of that name):
     each bucket is stepped as its gradient slice lands, so the last reduction, which nothing
@@ -158,9 +162,10 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     Returns {"stage", "world_size", "link", "compute_s", "optimizer_s", "comm_s" (per kind),
     "comm_total_s", "latency_s" and "bandwidth_s" (comm_total_s's two terms),
     "bytes_sent" (per rank), "volume_psi" (the ZeRO paper's volume, in Ψ: 2, 2, 2, 3),
-    "collectives" (per step), "calls" (per step, by kind), "exposed_s", "step_s"
-    (compute_s + optimizer_s + exposed_s), "comm_share", "network_bytes" (what one GPU sends over a
-    Machine's network per step; 0 inside one node or on a Link), "replicas"}.
+    "collectives" (per step), "calls" (per step, by kind), "control_s" (the control
+    collectives, in exposed_s), "exposed_s", "step_s" (compute_s + optimizer_s + exposed_s),
+    "comm_share", "network_bytes" (what one GPU sends over a Machine's network per step; 0
+    inside one node or on a Link), "replicas"}.
     """
     _number("n_params", n_params)
     stage = _stage(stage)
@@ -174,6 +179,7 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
         raise ValueError(f"gather_after_step must be True or False; got {gather_after_step!r}")
     r = _integer("replicas", replicas)
     _number("optimizer_s", optimizer_s, strict=False)
+    checks = _integer("control", control, minimum=0)
     if not isinstance(overlap_step, bool) or overlap_step and stage not in (1, 2):
         raise ValueError(f"overlap_step is True or False, and True only at stages 1-2 (as in "
                          f"shard()); got {overlap_step!r} at stage {stage}")
@@ -208,11 +214,13 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
                   for total, always, under in phases)
     if overlap_step:  # the last reduction (exposed above) under the other buckets' steps
         exposed -= min(overlap * one["reduce_scatter"], optimizer_s * (k - 1) / k)
+    control_s = checks * _control_time(n, lk)
+    exposed += control_s
     comm = {op: count * one[op] for op, count in calls.items()}
     step = compute_s + optimizer_s + exposed
     return {
         "stage": stage, "world_size": n, "link": lk.name, "compute_s": compute_s,
-        "optimizer_s": optimizer_s,
+        "optimizer_s": optimizer_s, "control_s": control_s,
         "comm_s": comm, "comm_total_s": sum(comm.values()),
         "latency_s": sum(c * terms[op]["latency_s"] for op, c in calls.items()),
         "bandwidth_s": sum(c * terms[op]["bandwidth_s"] for op, c in calls.items()),
@@ -225,6 +233,19 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
                                                 "all_reduce") for op, c in calls.items()),
         "replicas": r,
     }
+
+
+# What one rank sends in the lockstep check: three int64s (stages/lockstep.py).
+CONTROL_BYTES = 24
+
+
+def _control_time(n: int, link) -> float:
+    """One lockstep check: an all-gather of CONTROL_BYTES a rank by torch's collective."""
+    if n == 1:
+        return 0.0
+    lk = link.link("all_reduce") if isinstance(link, OpLinks) else link
+    terms = collective_terms("all_gather", CONTROL_BYTES * n, n, lk)
+    return terms["latency_s"] + terms["bandwidth_s"]
 
 
 def _across_terms(nbytes: float, replicas: int, shards: int, link) -> dict[str, float]:
