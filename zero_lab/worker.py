@@ -241,6 +241,7 @@ def _run_script(argv: list[str], run_dir: Path, rank: int) -> int:
         _record_error(run_dir, rank, f"{type(exc).__name__}: {exc}", traceback.format_exc())
         traceback.print_exc()
         return 1
+    _finish_in_flight()
     # The parent learns that this rank finished its script (a rank that skipped a collective
     # the others wait in finishes early, and their "connection closed" errors point here).
     (run_dir / f"rank{rank}.finished").write_text(str(time.time()))
@@ -256,6 +257,14 @@ def _record_error(run_dir: Path, rank: int, error: str, tb: str) -> None:
     tb = "\n".join(lines[:1] + lines[start:]) if start > 1 else tb
     record = {"rank": rank, "time": time.time(), "error": error, "traceback": tb}
     (run_dir / f"rank{rank}.error.json").write_text(json.dumps(record))
+
+
+def _finish_in_flight() -> None:
+    """The direct exchanges this rank still has in flight finish before it leaves, so no peer
+    still receiving meets a closed connection (collectives/exchange.py)."""
+    exchange = sys.modules.get("zero_lab.collectives.exchange")
+    if exchange is not None:
+        exchange.finish_in_flight()
 
 
 def _destroy_group() -> None:
