@@ -22,7 +22,7 @@ import sys
 from numbers import Integral
 
 from zero_lab.collectives.cost_model import ring_bytes_sent, ring_steps, zero_volume
-from zero_lab.interconnect import Machine, OpLinks, collective_terms, get_link
+from zero_lab.interconnect import Machine, OpLinks, collective_terms, collective_time, get_link
 from zero_lab.interconnect import _integer as _checked_integer
 from zero_lab.interconnect import _number as _checked_number
 
@@ -240,12 +240,10 @@ CONTROL_BYTES = 24
 
 
 def _control_time(n: int, link) -> float:
-    """One lockstep check: an all-gather of CONTROL_BYTES a rank by torch's collective."""
-    if n == 1:
-        return 0.0
+    """One lockstep check: an all-gather of CONTROL_BYTES a rank by torch's collective (on an
+    OpLinks, the all-reduce's ring link, not the direct exchange's). One rank costs 0."""
     lk = link.link("all_reduce") if isinstance(link, OpLinks) else link
-    terms = collective_terms("all_gather", CONTROL_BYTES * n, n, lk)
-    return terms["latency_s"] + terms["bandwidth_s"]
+    return collective_time("all_gather", CONTROL_BYTES * n, n, lk)
 
 
 def _across_terms(nbytes: float, replicas: int, shards: int, link) -> dict[str, float]:
