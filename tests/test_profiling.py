@@ -200,11 +200,32 @@ def settle_order(tmp_path, late: bool) -> list[tuple[str, bool]]:
     return calls
 
 
-def test_capture_settles_after_the_last_step_while_the_profiler_records(tmp_path):
+def test_capture_settles_after_each_step_while_the_profiler_records(tmp_path):
     right = settle_order(tmp_path / "right", late=False)
-    assert [what for what, _ in right] == ["step"] * 3 + ["settle"]  # 1 warm-up, 2 recorded
+    assert [what for what, _ in right] == ["step", "settle"] * 3  # 1 warm-up, 2 recorded
     assert right[-2] == ("step", True) and right[-1] == ("settle", True)
     assert settle_order(tmp_path / "late", late=True)[-1] == ("settle", False)  # the mutant
+
+
+def test_capture_primes_each_step_outside_its_window(tmp_path):
+    """Each step follows a priming step of the same system with nothing between them, and
+    the priming step's ops lie outside every step window (step_clock.py says why)."""
+    calls: list[str] = []
+
+    def prime() -> None:
+        calls.append("prime")
+        with marks.mark("priming step"):
+            torch.ones(3).sum()
+
+    capture(lambda: calls.append("step"), tmp_path, steps=2, warmup=1, profile_memory=False,
+            prime=prime, settle=lambda: calls.append("settle"))
+    assert calls == ["prime", "step", "settle"] * 3
+    trace = load_trace(tmp_path / "rank0.json")
+    assert len(trace.steps) == 2
+    priming = [e for e in trace.events if e.name == "priming step"]
+    assert len(priming) == 2  # the recorded ones' primes
+    for e in priming:
+        assert all(e.end <= start or e.start >= end for start, end in trace.steps)
 
 
 # ----------------------------------------------------------------------------- real traces

@@ -6,8 +6,11 @@
 One torchrun job trains every system on the same model (the seed blog's deep MLP scaled to
 `depth` blocks of Linear(width, width) + ReLU, Adam, `batch` rows per rank) in interleaved
 rounds: round k runs every system for `steps` timed steps, in an order rotated by k, so slow
-drifts of the machine (another job, thermal throttling) hit every system alike. A step is
-timed from a barrier to the end of `zero_grad()`, as the slowest rank saw it.
+drifts of the machine (another job, thermal throttling) hit every system alike. A system's
+steps in a round run back to back after one barrier, each timed from its start to the next
+one's, as the slowest rank saw it; the last also waits for what it left in flight
+(`zero_lab.step_clock`: a barrier before every step, as here until stop 31, hid the
+overlapped stages' all-gathers in it).
 
 Written to `runs/bench/` (or --out): `bench.json` (everything), `bench.md` (a table),
 `bench.png` (a figure) and, with --profile, `profile_<system>.txt` (torch.profiler tables).

@@ -66,8 +66,9 @@ def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduc
     applies. Stage 0 has no all-gather and stages 0, 2 and 3 always reduce during backward;
     stage 3 gathers before each unit's forward (its prefetch) and steps at rest. Returns
     (overlap_param_gather, overlap_grad_reduce) resolved, None meaning the stage's way:
-    the all-gather under the next forward at stages 1-2 (measured 7-11% faster on 2 CPU
-    ranks; a raw read waits for its bucket, param_gather.py); stage 1 reduces when backward
+    the all-gather under the next forward at stages 1-2 (never slower measured on 2 CPU
+    ranks, faster with several buckets, hidden on GPUs; a raw read waits for its bucket,
+    param_gather.py); stage 1 reduces when backward
     ends (reducing during backward measured no faster on 2 CPU cores, see bench_systems.py)."""
     if overlap_param_gather is None:
         overlap_param_gather = stage in (1, 2)

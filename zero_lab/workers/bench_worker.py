@@ -7,8 +7,10 @@ Builds every system on the same initial model, then, in this order:
 2. one measured step per system (untimed): bytes held after backward, peak bytes, and the
    collectives it issued (`CommLedger`);
 3. `rounds` rounds; round k times `steps` steps of every system, in the system order rotated
-   by k. Each step starts after a barrier and ends after `zero_grad()`; per step the slowest
-   rank's time is kept, and so is each phase's (forward, backward, step, zero_grad);
+   by k. A system's steps in a round run back to back after one barrier, each timed from its
+   start to the next one's, the last one also waiting for what it left in flight
+   (zero_lab/step_clock.py); per step the slowest rank's time is kept, and so is each
+   phase's (forward, backward, step, zero_grad);
 4. the trained weights of every system are compared with the first system's (every system
    consumed the same batches, so they must agree);
 5. with --profile, `steps` more steps per system under torch.profiler.
@@ -30,6 +32,7 @@ from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, BenchConfig, Trainer
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.measured import MemoryTimeline, held_bytes, model_state_tensors
+from zero_lab.step_clock import settle_in_flight, time_back_to_back
 from zero_lab.workloads import (
     count_parameters,
     deep_mlp,
@@ -77,26 +80,29 @@ class Run:
         self.steps_done += 1
 
     def timed_steps(self, steps: int) -> list[list[float]]:
-        """Per step [total, forward, backward, optimizer.step, zero_grad] in seconds."""
-        rows = []
+        """Per step [total, forward, backward, optimizer.step, zero_grad] in seconds: after
+        one barrier, `steps` steps back to back, the last one also waiting for what it left
+        in flight (zero_lab/step_clock.py: a barrier before each step hid the overlapped
+        stages' all-gathers)."""
         inside_before = self.lockstep.seconds if self.lockstep else 0.0
-        for _ in range(steps):
-            batch = self.batch(self.steps_done)
-            model, opt = self.trainer.model, self.trainer.optimizer
-            dist.barrier()
-            _synchronize(self.info.device)
-            marks = [time.perf_counter()]
-            loss = mse_loss(model, batch)
-            marks.append(_now(self.info.device))
+        model, opt = self.trainer.model, self.trainer.optimizer
+        batches = [self.batch(self.steps_done + i) for i in range(steps)]
+
+        def run_step(i: int, lap) -> None:
+            loss = mse_loss(model, batches[i])
+            lap()
             loss.backward()
-            marks.append(_now(self.info.device))
+            lap()
             opt.step()
-            marks.append(_now(self.info.device))
+            lap()
             opt.zero_grad()
-            marks.append(_now(self.info.device))
-            self.steps_done += 1
-            phases = [b - a for a, b in zip(marks, marks[1:], strict=False)]
-            rows.append([marks[-1] - marks[0], *phases])
+            lap()
+
+        _synchronize(self.info.device)
+        rows = time_back_to_back(steps, run_step, start_together=dist.barrier,
+                                 settle=lambda: settle_in_flight(model),
+                                 now=lambda: _now(self.info.device))
+        self.steps_done += steps
         if self.lockstep:
             self.lockstep_s += self.lockstep.seconds - inside_before
             self.timed += steps

@@ -5,10 +5,13 @@
 
 Every system is built on the same initial model (`zero_lab.bench_systems`), then:
 1. `warmup` unrecorded steps each;
-2. `timed` rounds of one unprofiled step per system, each after a barrier: the step times
-   the trace's numbers are compared with (rounds, so that whatever else the machine does
-   falls on every system alike); then per system:
-3. `steps` steps under torch.profiler (zero_lab.profiling.capture): --out/<system>/rank<r>.json;
+2. `timed` rounds of one unprofiled step per system, each after a barrier and an untimed
+   step of the same system (a steady step: it waits for what the step before left in
+   flight, zero_lab/step_clock.py): the step times the trace's numbers are compared with
+   (rounds, so that whatever else the machine does falls on every system alike); then per
+   system:
+3. `steps` steps under torch.profiler (zero_lab.profiling.capture), each after an unrecorded
+   one of the same system: --out/<system>/rank<r>.json;
    if even the fastest of them was 30% slower than the fastest unprofiled step, something
    else had the machine (on 2 shared cores a whole recording can be slowed): the recording
    is retaken, at most twice, and the retakes are reported;
@@ -98,13 +101,23 @@ class Run:
         self.faults[kind].append(_minor_faults() - before)
         return time.perf_counter() - start
 
+    def steady_step(self) -> float:
+        """A step timed as training runs it (seconds): right after an untimed step of this
+        system, with no barrier between, so that it inherits the communication that step
+        left in flight (an overlapped stage's all-gathers) and waits for it; what it leaves
+        is finished afterwards, untimed (zero_lab/step_clock.py)."""
+        self.step()
+        seconds = self.measured_step("unprofiled")
+        self.settle()
+        return seconds
+
     def record(self, out: Path, steps: int) -> tuple[Path, int]:
         """Profile `steps` steps into out/<name>/; retake a disturbed recording."""
         for retakes in range(RETAKES + 1):  # noqa: B007 (returned)
             self.profiled, self.faults["profiled"] = [], []
             path = capture(lambda: self.profiled.append(self.measured_step("profiled")),
                            out / self.name, steps=steps, device=self.info.device,
-                           profile_memory=False, settle=self.settle)
+                           profile_memory=False, prime=self.step, settle=self.settle)
             disturbed = torch.tensor([float(min(self.profiled[-steps:]) >
                                             SLOWER * min(self.times) + 0.002)])
             dist.all_reduce(disturbed, op=dist.ReduceOp.MAX)  # the ranks decide together
@@ -116,11 +129,17 @@ class Run:
         """Profile this system and its twin in one recording, a step of each in turn (this,
         twin, this, ...), into out/<name>_ab/: whatever else the machine does falls on both
         alike. The trace's step windows 0, 2, 4, ... are this system's, 1, 3, 5, ... the
-        twin's (the two unrecorded warm-up steps keep the turn)."""
-        turn = itertools.cycle((self, twin))
-        return capture(lambda: next(turn).step(), out / f"{self.name}_ab", steps=2 * steps,
+        twin's (the two unrecorded warm-up steps keep the turn). Each recorded step follows an
+        unrecorded one of the same system, as in `record`."""
+        turn, now = itertools.cycle((self, twin)), [self]
+
+        def prime() -> None:
+            now[0] = next(turn)
+            now[0].step()
+
+        return capture(lambda: now[0].step(), out / f"{self.name}_ab", steps=2 * steps,
                        warmup=2, device=self.info.device, profile_memory=False,
-                       settle=lambda: (self.settle(), twin.settle()))
+                       prime=prime, settle=lambda: now[0].settle())
 
     def ledger_step(self, out: Path) -> tuple[list[dict], int]:
         """One more step under the profiler (with shapes and memory) and a CommLedger.
@@ -173,7 +192,7 @@ def main() -> None:
         for run in timed:
             dist.barrier()
             _sync(info.device)
-            run.times.append(run.measured_step("unprofiled"))
+            run.times.append(run.steady_step())
     results = {}
     for run in runs:
         slowest = _slowest_rank(run.times)
