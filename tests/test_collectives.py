@@ -413,3 +413,23 @@ def test_ledger_records_a_direct_exchange_as_the_collective_it_implements(ranks)
     _check(ar, "all_reduce", 2, "float32", 4, n)
     assert rs["sent_bytes"] == (n - 1) * 4 * 4
     assert rs["torch_op"] == ag["torch_op"] == "zero_lab.collectives.exchange"
+
+
+def test_the_twins_all_gather_writes_real_values_into_every_chunk(monkeypatch):
+    """transport="none" (notebook 06's A/B, notebook 07's compute): a stage-3 unit's full
+    buffer is fresh memory at every gather. If the twin wrote only its own chunk, the unit
+    computed with whatever that memory held (NaN, denormals), and such numbers are slow: the
+    stage-3 twin's Adam took 19.4 ms a step instead of 11.4 (aten::sqrt 2.0 ms a call instead
+    of 0.72), so its 'compute' overstated the real stage's. Every chunk gets this rank's
+    values, the bytes a real receive writes."""
+    from zero_lab.collectives import exchange
+
+    monkeypatch.setattr(exchange.dist, "get_world_size", lambda group=None: 3)
+    monkeypatch.setattr(exchange.dist, "get_rank", lambda group=None: 1)
+    freed = torch.full((6,), float("nan"))  # what a freed-and-regrown storage may hold
+    exchange.all_gather_skipped(freed, torch.tensor([1.0, 2.0]))
+    assert freed.tolist() == [1.0, 2.0] * 3
+    in_place = torch.full((6,), float("nan"))
+    in_place[2:4] = torch.tensor([5.0, 6.0])
+    exchange.all_gather_skipped(in_place, in_place[2:4])  # own chunk given in place
+    assert in_place.tolist() == [5.0, 6.0] * 3

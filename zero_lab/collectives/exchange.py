@@ -175,8 +175,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor,
 # removed, so that step(real) - step(no communication) is what communication costs. The
 # functions below do a collective's local work (this rank's own chunk copied, the average's
 # division) and send nothing; the results are numerically meaningless (no rank sees another's
-# data; a stage-3 unit computes with whatever the freed memory held). `partition.py` uses them
-# for `transport="none"`. Nothing is recorded in a CommLedger: nothing was sent.
+# data), but finite: the all-gather writes this rank's chunk where the others' would land,
+# since a stage-3 unit's buffer is fresh memory and computing on whatever it held (NaN,
+# denormals) made the twin's Adam 1.7x slower than the real stage's. `partition.py` uses
+# them for `transport="none"`. Nothing is recorded in a CommLedger: nothing was sent.
 
 
 def reduce_scatter_skipped(output: torch.Tensor, input: torch.Tensor,
@@ -195,9 +197,13 @@ def reduce_scatter_skipped(output: torch.Tensor, input: torch.Tensor,
 def all_gather_skipped(output: torch.Tensor, input: torch.Tensor,
                        group: dist.ProcessGroup | None = None,
                        async_op: bool = False) -> Exchange | None:
-    """`all_gather` without the messages: only this rank's chunk of `output` is written (the
-    others keep whatever they held)."""
-    mine = _chunks(output, input, dist.get_world_size(group), "output")[dist.get_rank(group)]
+    """`all_gather` without the messages: every chunk of `output` gets this rank's `input`,
+    the bytes the real receives would write, with values that are real parameters."""
+    chunks = _chunks(output, input, dist.get_world_size(group), "output")
+    mine = chunks[dist.get_rank(group)]
     if mine.data_ptr() != input.data_ptr():
         mine.copy_(input.view(-1))
+    for chunk in chunks:
+        if chunk.data_ptr() != mine.data_ptr():
+            chunk.copy_(mine)
     return Exchange([]) if async_op else None
