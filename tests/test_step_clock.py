@@ -16,7 +16,7 @@ import pytest
 import torch
 from torch import nn
 
-from zero_lab.step_clock import settle_in_flight, time_back_to_back
+from zero_lab.step_clock import settle_in_flight, time_back_to_back, training_step
 
 FORWARD, BACKWARD, STEP, ZERO_GRAD = 1.0, 2.0, 3.0, 1.0
 GATHER, BARRIER = 5.0, 4.0
@@ -75,16 +75,7 @@ class FakeOptimizer:
 
 
 def fake_step(world: FakeWorld, model: FakeStage, opt: FakeOptimizer):
-    def run_step(i: int, lap) -> None:
-        loss = model(torch.ones(4)).sum()
-        lap()
-        loss.backward()
-        lap()
-        opt.step()
-        lap()
-        opt.zero_grad()
-        lap()
-    return run_step
+    return training_step(lambda i: model(torch.ones(4)).sum(), opt)
 
 
 def test_steady_steps_pay_for_the_gather_they_inherit():

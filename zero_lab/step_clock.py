@@ -60,6 +60,21 @@ def time_back_to_back(
     return rows
 
 
+def training_step(loss_of: Callable[[int], object], optimizer) -> Callable:
+    """`run_step` for `time_back_to_back`: step i computes `loss_of(i)` (the forward), then
+    backward, `optimizer.step()` and `optimizer.zero_grad()`, a lap after each."""
+    def run_step(i: int, lap: Callable[[], None]) -> None:
+        loss = loss_of(i)
+        lap()
+        loss.backward()
+        lap()
+        optimizer.step()
+        lap()
+        optimizer.zero_grad()
+        lap()
+    return run_step
+
+
 def settle_in_flight(model) -> None:
     """Finish the communication a step of `model` may leave in flight: a zero_lab stage's
     overlapped all-gathers (`model.wait_for_params`). Systems without it have none."""

@@ -32,7 +32,7 @@ from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, BenchConfig, Trainer
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.measured import MemoryTimeline, held_bytes, model_state_tensors
-from zero_lab.step_clock import settle_in_flight, time_back_to_back
+from zero_lab.step_clock import settle_in_flight, time_back_to_back, training_step
 from zero_lab.workloads import (
     count_parameters,
     deep_mlp,
@@ -88,17 +88,8 @@ class Run:
         model, opt = self.trainer.model, self.trainer.optimizer
         batches = [self.batch(self.steps_done + i) for i in range(steps)]
 
-        def run_step(i: int, lap) -> None:
-            loss = mse_loss(model, batches[i])
-            lap()
-            loss.backward()
-            lap()
-            opt.step()
-            lap()
-            opt.zero_grad()
-            lap()
-
         _synchronize(self.info.device)
+        run_step = training_step(lambda i: mse_loss(model, batches[i]), opt)
         rows = time_back_to_back(steps, run_step, start_together=dist.barrier,
                                  settle=lambda: settle_in_flight(model),
                                  now=lambda: _now(self.info.device))
