@@ -74,14 +74,14 @@ class FakeOptimizer:
         self.world.spend(ZERO_GRAD)
 
 
-def fake_step(world: FakeWorld, model: FakeStage, opt: FakeOptimizer):
+def fake_step(model: FakeStage, opt: FakeOptimizer):
     return training_step(lambda i: model(torch.ones(4)).sum(), opt)
 
 
 def test_steady_steps_pay_for_the_gather_they_inherit():
     world = FakeWorld()
     model = FakeStage(world)
-    rows = time_back_to_back(5, fake_step(world, model, FakeOptimizer(world)),
+    rows = time_back_to_back(5, fake_step(model, FakeOptimizer(world)),
                              start_together=world.barrier,
                              settle=lambda: settle_in_flight(model), now=world.now)
     totals = [row[0] for row in rows]
@@ -109,7 +109,6 @@ def test_the_bench_times_steps_back_to_back(monkeypatch):
     world = FakeWorld()
     monkeypatch.setattr(bench_worker.dist, "barrier", world.barrier)
     monkeypatch.setattr(bench_worker, "_now", lambda device: world.now())
-    monkeypatch.setattr(bench_worker.time, "perf_counter", world.now)
     model = FakeStage(world)
     monkeypatch.setattr(bench_worker, "mse_loss", lambda m, batch: m(torch.ones(4)).sum())
     info = types.SimpleNamespace(rank=0, world_size=1, device=torch.device("cpu"))

@@ -49,6 +49,7 @@ from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.measured import held_bytes
 from zero_lab.profiling.capture import capture
+from zero_lab.step_clock import settle_in_flight
 from zero_lab.workloads import count_parameters, deep_mlp, mlp_batch, mse_loss, rank_slice
 
 
@@ -91,7 +92,7 @@ class Run:
 
     def settle(self) -> None:
         """Nothing left in flight (an overlapped stage's all-gathers): see capture.py."""
-        getattr(self.trainer.model, "wait_for_params", lambda: None)()
+        settle_in_flight(self.trainer.model)
 
     def measured_step(self, kind: str) -> float:
         """A step, timed (seconds) and its page faults counted under `kind`."""
