@@ -8,6 +8,7 @@ JSON, the markdown table and the figure; every system must have trained the same
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -143,3 +144,60 @@ def test_lockstep_check_cost_is_reported_for_stage_3(result):
     assert [c["volume"] for c in unchecked["comm"]] == [c["volume"] for c in s3["comm"]]
     assert result["lockstep_cost"] == pytest.approx(s3["best_round_ms"]
                                                     / unchecked["best_round_ms"])
+
+
+def test_cpu_work_and_its_floor_are_reported_for_every_system(result):
+    """Each rank counts the CPU its process spent per step in every round (all threads);
+    the floor is the ranks' CPU summed over the cores they share, in the best round."""
+    cores = result["cores"]
+    assert cores == len(os.sched_getaffinity(0))  # the ranks inherit this process's cores
+    for name, s in result["systems"].items():
+        assert [len(rank) for rank in s["cpu_ms_per_step"]] == [CONFIG.rounds] * 2, name
+        assert all(ms > 0 for rank in s["cpu_ms_per_step"] for ms in rank), name
+        b = s["best_round"]
+        assert s["round_medians_ms"][b] == s["best_round_ms"]
+        assert s["cpu_floor_ms"] == pytest.approx(
+            sum(rank[b] for rank in s["cpu_ms_per_step"]) / cores), name
+        assert s["cores_busy"] == pytest.approx(s["cpu_floor_ms"] / s["best_round_ms"])
+    for t in result["targets"]:
+        floor = result["systems"][t["system"]]["cpu_floor_ms"]
+        assert t["floor_ratio"] == pytest.approx(
+            floor / result["systems"][t["baseline"]]["best_round_ms"])
+    table = open(result["paths"]["markdown"]).read()
+    ddp = result["systems"]["ddp"]
+    assert (f"| torch DDP | {ddp['best_round_ms']:.1f} | "
+            f"{ddp['cpu_ms_per_step'][0][ddp['best_round']]:.1f}, "
+            f"{ddp['cpu_ms_per_step'][1][ddp['best_round']]:.1f} | "
+            f"{ddp['cpu_floor_ms']:.1f} | {100 * ddp['cores_busy']:.0f}% |") in table
+
+
+def _rank_report(rank: int, step_ms: list[list[float]], cpu_ms: list[float], cores: int):
+    """A bench worker's report for one system, "sys", as summarize() reads it."""
+    report = {"systems": ["sys"], "held": {"sys": {}}, "peak": {"sys": 0},
+              "comm": {"sys": {}}, "backend": "gloo", "device": "cpu", "n_params": 1,
+              "cpu_ms_per_step": {"sys": cpu_ms}, "cores": cores}
+    if rank == 0:
+        report.update({"timing": {"sys": [[[ms / 1e3] + [0.0] * len(bench.PHASES)
+                                            for ms in steps] for steps in step_ms]},
+                       "order": [["sys"]] * len(step_ms), "max_abs_diff": {"sys": 0.0}})
+    return report
+
+
+def test_cpu_floor_divides_the_ranks_work_by_the_cores_not_the_ranks():
+    # 2 ranks on 4 cores, round 1 the fastest (40 ms): (30 + 34) / 4 = 16 ms, 40% busy.
+    steps = [[50.0, 52.0, 51.0], [40.0, 41.0, 39.0]]
+    ranks = [_rank_report(0, steps, [45.0, 30.0], 4), _rank_report(1, steps, [44.0, 34.0], 4)]
+    s = bench.summarize(ranks, CONFIG)["systems"]["sys"]
+    assert (s["best_round"], s["best_round_ms"]) == (1, 40.0)
+    assert s["cpu_floor_ms"] == pytest.approx(16.0)
+    assert s["cores_busy"] == pytest.approx(0.4)
+
+
+def test_no_cpu_floor_on_a_gpu():
+    """On a GPU the step's work is the device's, which process CPU time does not see."""
+    steps = [[10.0, 10.0]]
+    ranks = [_rank_report(r, steps, [9.0], 16) for r in range(2)]
+    for r in ranks:
+        r["device"] = "cuda:0"
+    s = bench.summarize(ranks, CONFIG)["systems"]["sys"]
+    assert "cpu_floor_ms" not in s and s["cpu_ms_per_step"] == [[9.0], [9.0]]

@@ -10,13 +10,15 @@ step gives the gather 4 untimed seconds and reports 7 (how the bench timed until
 
 from __future__ import annotations
 
+import threading
+import time
 import types
 
 import pytest
 import torch
 from torch import nn
 
-from zero_lab.step_clock import settle_in_flight, time_back_to_back, training_step
+from zero_lab.step_clock import CpuMeter, settle_in_flight, time_back_to_back, training_step
 
 FORWARD, BACKWARD, STEP, ZERO_GRAD = 1.0, 2.0, 3.0, 1.0
 GATHER, BARRIER = 5.0, 4.0
@@ -137,3 +139,30 @@ def test_notebook_06_times_a_steady_step(monkeypatch):
     world.barrier()
     assert run.steady_step() == STEADY
     assert world.lands_at is None  # finished, for whatever is timed next
+
+
+# ------------------------------------------------------------------ the CPU a block costs
+
+
+def _spin_cpu(seconds: float, clock) -> None:
+    """Work until `clock` (a CPU clock) has advanced `seconds`: CPU spent, whatever the load."""
+    start = clock()
+    while clock() - start < seconds:
+        pass
+
+
+def test_cpu_meter_does_not_count_waiting():
+    # A rank waiting for its peer's bytes sleeps; a wall clock would call the wait work.
+    with CpuMeter() as cpu:
+        time.sleep(0.3)
+    assert cpu.seconds < 0.1
+
+
+def test_cpu_meter_counts_every_thread_of_the_process():
+    # gloo moves the bytes on threads of its own while the training thread waits: their
+    # copies are CPU work the step costs the machine. A per-thread clock would miss them.
+    with CpuMeter() as cpu:
+        worker = threading.Thread(target=_spin_cpu, args=(0.3, time.thread_time))
+        worker.start()
+        worker.join()
+    assert cpu.seconds >= 0.3

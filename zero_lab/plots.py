@@ -194,7 +194,7 @@ def alpha_beta_figure(timings, model, world_size: int | None = None):
 
 def bench_figure(result: dict):
     """Three panels per system: step time (best round as a bar, every round's median as a
-    dot), bytes held by rank 0 per category, and bytes one step sends by collective."""
+    dot, on a CPU the floor its CPU work sets as a line), bytes held by rank 0 per category, and bytes one step sends by collective."""
     import matplotlib.pyplot as plt
 
     systems = result["systems"]
@@ -209,6 +209,9 @@ def bench_figure(result: dict):
                   markersize=3, label="each round" if i == 0 else None)
         ax_t.annotate(f"{best[i]:.0f}", (i, 0), ha="center", va="bottom", fontsize=8,
                       xytext=(0, 3), textcoords="offset points")  # inside, clear of the dots
+        if "cpu_floor_ms" in s:  # on a CPU: the shortest step its CPU work allows
+            ax_t.plot([i - 0.4, i + 0.4], [s["cpu_floor_ms"]] * 2, color="#CC3311", lw=2,
+                      label="CPU floor (work / cores)" if i == 0 else None)
     ax_t.set_ylabel("ms per step (slowest rank)")
     ax_t.set_title("step time", fontsize=10)
     ax_t.legend(fontsize=7.5, loc="best")

@@ -17,6 +17,12 @@ whatever is timed next. A step in the middle of the block is a steady-state step
 inherits the previous step's work in flight and leaves its own to the next. The first step
 inherits nothing and the last pays for its own, so a block's mean step is the steady state
 too (for a median, use blocks of three steps or more).
+
+`CpuMeter` counts the CPU work a block costs this process, every thread of it: the
+compute, and gloo's threads moving the bytes. On a CPU machine that is what hiding cannot
+hide: R ranks on C cores keep at most C cores busy, so a step takes at least (the ranks'
+CPU seconds per step, summed) / C, however well its communication overlaps its compute
+(`make bench` reports this floor beside every time).
 """
 
 from __future__ import annotations
@@ -58,6 +64,25 @@ def time_back_to_back(
         rows.append([marks[-1] - marks[0], *phases])
         del marks[:-1]  # the next step starts where this one ended: nothing between
     return rows
+
+
+class CpuMeter:
+    """CPU seconds this process spends inside a `with` block, all its threads together.
+
+    Waiting costs none (a gloo barrier or receive sleeps; measured: a rank waiting 1 s for
+    its peer used 3 ms of CPU), so on a CPU machine a step's CPU time is its work: the
+    compute and the communication's copies, whichever thread ran them."""
+
+    def __init__(self, clock: Callable[[], float] = time.process_time) -> None:
+        self.clock = clock
+        self.seconds = 0.0
+
+    def __enter__(self) -> CpuMeter:
+        self._start = self.clock()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.seconds = self.clock() - self._start
 
 
 def training_step(loss_of: Callable[[int], object], optimizer) -> Callable:

@@ -10,7 +10,8 @@ Builds every system on the same initial model, then, in this order:
    by k. A system's steps in a round run back to back after one barrier, each timed from its
    start to the next one's, the last one also waiting for what it left in flight
    (zero_lab/step_clock.py); per step the slowest rank's time is kept, and so is each
-   phase's (forward, backward, step, zero_grad);
+   phase's (forward, backward, step, zero_grad); each rank also counts the CPU seconds the
+   block cost its process (every thread: compute and gloo's copies), per step;
 4. the trained weights of every system are compared with the first system's (every system
    consumed the same batches, so they must agree);
 5. with --profile, `steps` more steps per system under torch.profiler.
@@ -21,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import time
 
@@ -32,7 +34,7 @@ from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, BenchConfig, Trainer
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.measured import MemoryTimeline, held_bytes, model_state_tensors
-from zero_lab.step_clock import settle_in_flight, time_back_to_back, training_step
+from zero_lab.step_clock import CpuMeter, settle_in_flight, time_back_to_back, training_step
 from zero_lab.workloads import (
     count_parameters,
     deep_mlp,
@@ -53,6 +55,7 @@ class Run:
         sync = getattr(trainer.optimizer, "sync", None)
         self.lockstep = getattr(sync, "lockstep", None)
         self.lockstep_s, self.timed = 0.0, 0
+        self.cpu_ms_per_step: list[float] = []  # this rank's, one per timed block (round)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         """This rank's rows of global batch `step` (the same for every system)."""
@@ -90,9 +93,11 @@ class Run:
 
         _synchronize(self.info.device)
         run_step = training_step(lambda i: mse_loss(model, batches[i]), opt)
-        rows = time_back_to_back(steps, run_step, start_together=dist.barrier,
-                                 settle=lambda: settle_in_flight(model),
-                                 now=lambda: _now(self.info.device))
+        with CpuMeter() as cpu:
+            rows = time_back_to_back(steps, run_step, start_together=dist.barrier,
+                                     settle=lambda: settle_in_flight(model),
+                                     now=lambda: _now(self.info.device))
+        self.cpu_ms_per_step.append(1e3 * cpu.seconds / steps)
         self.steps_done += steps
         if self.lockstep:
             self.lockstep_s += self.lockstep.seconds - inside_before
@@ -215,7 +220,9 @@ def main() -> None:
             profiles[run.name] = _profile_table(run, config.steps)
 
     data = {"systems": [run.name for run in runs], "held": held, "peak": peak, "comm": comm,
-            "backend": info.backend, "device": str(info.device), "n_params": n_params}
+            "backend": info.backend, "device": str(info.device), "n_params": n_params,
+            "cpu_ms_per_step": {run.name: run.cpu_ms_per_step for run in runs},
+            "cores": len(os.sched_getaffinity(0))}
     if info.rank == 0:
         data.update({"timing": timing, "order": order, "max_abs_diff": max_abs_diff,
                      "profiles": profiles,
