@@ -58,6 +58,21 @@ def test_targets_are_ratios_of_best_rounds(result):
         expected = systems[t["system"]]["best_round_ms"] / systems[t["baseline"]]["best_round_ms"]
         assert t["ratio"] == pytest.approx(expected)
         assert t["met"] == (t["ratio"] <= t["limit"])
+        assert len(t["round_ratios"]) == CONFIG.rounds
+
+
+def test_the_spread_of_a_target_is_one_ratio_per_round():
+    """Round k's ratio divides the system's median step in round k by the baseline's in the
+    same round (the two ran side by side): not best by best, not one round by another."""
+    ranks = [_rank_report(r, {"ddp": [[80.0, 82.0, 81.0], [100.0, 98.0, 99.0]],
+                              "stage2": [[70.0, 72.0, 71.0], [76.0, 75.0, 74.0]]}, 2)
+             for r in range(2)]
+    result = bench.summarize(ranks, CONFIG)
+    (target,) = [t for t in result["targets"] if (t["system"], t["baseline"]) == ("stage2", "ddp")]
+    assert target["round_ratios"] == pytest.approx([71.0 / 81.0, 75.0 / 99.0])
+    assert target["ratio"] == pytest.approx(71.0 / 81.0)
+    assert "| stage2 / ddp | 0.877 | 0.817 (0.758-0.877) | 1.15 | yes |" in bench.markdown_table(
+        {**result, "cores": 2})
 
 
 def test_held_bytes_follow_each_design(result):
@@ -171,22 +186,30 @@ def test_cpu_work_and_its_floor_are_reported_for_every_system(result):
             f"{ddp['cpu_floor_ms']:.1f} | {100 * ddp['cores_busy']:.0f}% |") in table
 
 
-def _rank_report(rank: int, step_ms: list[list[float]], cpu_ms: list[float], cores: int):
-    """A bench worker's report for one system, "sys", as summarize() reads it."""
-    report = {"systems": ["sys"], "held": {"sys": {}}, "peak": {"sys": 0},
-              "comm": {"sys": {}}, "backend": "gloo", "device": "cpu", "n_params": 1,
-              "cpu_ms_per_step": {"sys": cpu_ms}, "cores": cores}
+def _rank_report(rank: int, step_ms: dict[str, list[list[float]]], cores: int,
+                 cpu_ms: dict[str, list[float]] | None = None):
+    """A bench worker's report, as summarize() reads it: per system, [round][step] times in
+    ms and this rank's CPU ms per step per round (zero if not given)."""
+    names = list(step_ms)
+    rounds = len(step_ms[names[0]])
+    cpu_ms = cpu_ms or {name: [0.0] * rounds for name in names}
+    held = {"params": 0, "grads": 0, "optimizer": 0}
+    report = {"systems": names, "held": {n: held for n in names}, "peak": dict.fromkeys(names, 0),
+              "comm": {n: {"sent_bytes": 0, "volume": 0, "by_op": {}} for n in names},
+              "backend": "gloo", "device": "cpu", "n_params": 1,
+              "cpu_ms_per_step": cpu_ms, "cores": cores}
     if rank == 0:
-        report.update({"timing": {"sys": [[[ms / 1e3] + [0.0] * len(bench.PHASES)
-                                            for ms in steps] for steps in step_ms]},
-                       "order": [["sys"]] * len(step_ms), "max_abs_diff": {"sys": 0.0}})
+        report.update({"timing": {n: [[[ms / 1e3] + [0.0] * len(bench.PHASES) for ms in steps]
+                                      for steps in step_ms[n]] for n in names},
+                       "order": [names] * rounds, "max_abs_diff": dict.fromkeys(names, 0.0)})
     return report
 
 
 def test_cpu_floor_divides_the_ranks_work_by_the_cores_not_the_ranks():
     # 2 ranks on 4 cores, round 1 the fastest (40 ms): (30 + 34) / 4 = 16 ms, 40% busy.
-    steps = [[50.0, 52.0, 51.0], [40.0, 41.0, 39.0]]
-    ranks = [_rank_report(0, steps, [45.0, 30.0], 4), _rank_report(1, steps, [44.0, 34.0], 4)]
+    steps = {"sys": [[50.0, 52.0, 51.0], [40.0, 41.0, 39.0]]}
+    ranks = [_rank_report(0, steps, 4, {"sys": [45.0, 30.0]}),
+             _rank_report(1, steps, 4, {"sys": [44.0, 34.0]})]
     s = bench.summarize(ranks, CONFIG)["systems"]["sys"]
     assert (s["best_round"], s["best_round_ms"]) == (1, 40.0)
     assert s["cpu_floor_ms"] == pytest.approx(16.0)
@@ -195,8 +218,8 @@ def test_cpu_floor_divides_the_ranks_work_by_the_cores_not_the_ranks():
 
 def test_no_cpu_floor_on_a_gpu():
     """On a GPU the step's work is the device's, which process CPU time does not see."""
-    steps = [[10.0, 10.0]]
-    ranks = [_rank_report(r, steps, [9.0], 16) for r in range(2)]
+    steps = {"sys": [[10.0, 10.0]]}
+    ranks = [_rank_report(r, steps, 16, {"sys": [9.0]}) for r in range(2)]
     for r in ranks:
         r["device"] = "cuda:0"
     s = bench.summarize(ranks, CONFIG)["systems"]["sys"]

@@ -28,7 +28,8 @@ communicates (`zero_lab.collectives.CommLedger`, on an untimed step), and the la
 difference of its trained weights from the first system's: every system sees the same
 batches, so the comparison is fair only if they all trained the same model.
 
-Targets, as ratios of each system's best round: stage 0 <= 1.1 x DDP,
+Targets, as ratios of each system's best round (and, for the spread, of the two systems'
+medians in each round, run side by side): stage 0 <= 1.1 x DDP,
 stage 1 <= 1.1 x ZeroRedundancyOptimizer, stage 2 <= 1.15 x DDP, stage 3 <= 0.9 x torch's
 FSDP2 and <= 1.6 x DDP (it sends 1.5 x DDP's bytes). The gain from stage 3's
 prefetch is reported as the ratio stage 3 without prefetch / with prefetch, and the cost of
@@ -129,7 +130,10 @@ def summarize(ranks: list[dict], config: BenchConfig) -> dict:
         if name in systems and baseline in systems:
             ratio = systems[name]["best_round_ms"] / systems[baseline]["best_round_ms"]
             target = {"system": name, "baseline": baseline, "limit": limit,
-                      "ratio": ratio, "met": ratio <= limit}
+                      "ratio": ratio, "met": ratio <= limit,
+                      # the spread: the two systems' medians in each round (run side by
+                      # side, under the same load), one ratio per round
+                      "round_ratios": _round_ratios(systems[name], systems[baseline])}
             if "cpu_floor_ms" in systems[name]:
                 # the ratio if every wait of the system were hidden: its CPU work alone
                 target["floor_ratio"] = (systems[name]["cpu_floor_ms"]
@@ -157,6 +161,16 @@ def summarize(ranks: list[dict], config: BenchConfig) -> dict:
         "transport_gain": {f"stage{s}": _gain(systems, f"stage{s}_torch", f"stage{s}")
                            for s in (1, 2, 3) if _gain(systems, f"stage{s}_torch", f"stage{s}")},
     }
+
+
+def _round_ratios(system: dict, baseline: dict) -> list[float]:
+    return [a / b for a, b in zip(system["round_medians_ms"], baseline["round_medians_ms"],
+                                  strict=True)]
+
+
+def _spread(values: list[float]) -> str:
+    """'median (min-max)'."""
+    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
 
 
 def _cpu_floor_ms(cpu_ms: list[list[float]], round_: int, cores: int) -> float:
@@ -231,11 +245,12 @@ def markdown_table(result: dict) -> str:
     for stage, gain in (result.get("transport_gain") or {}).items():
         lines += ["", f"Direct exchange, {stage}: best round with torch's collectives / with "
                       f"the direct exchange = {gain:.3f}."]
-    lines += ["", "| target | ratio of best rounds | limit | met | CPU floor / baseline |",
-              "| --- | ---: | ---: | --- | ---: |"]
+    lines += ["", "| target | ratio of best rounds | per round: median (range) | limit | met | "
+              "CPU floor / baseline |", "| --- | ---: | ---: | ---: | --- | ---: |"]
     for t in result["targets"]:
         floor = f"{t['floor_ratio']:.3f}" if "floor_ratio" in t else "-"
-        lines.append(f"| {t['system']} / {t['baseline']} | {t['ratio']:.3f} | {t['limit']} | "
+        lines.append(f"| {t['system']} / {t['baseline']} | {t['ratio']:.3f} | "
+                     f"{_spread(t['round_ratios'])} | {t['limit']} | "
                      f"{'yes' if t['met'] else 'NO'} | {floor} |")
     return "\n".join(lines) + "\n"
 
@@ -331,7 +346,8 @@ def format_targets(result: dict) -> str:
                  f"{'reach it' if t['floor_ratio'] <= t['limit'] else 'not reach it'}"
                  if "floor_ratio" in t else "")
         lines.append(f"  {t['system']} / {t['baseline']}: {t['ratio']:.3f} "
-                     f"(target <= {t['limit']}) {verdict}{floor}")
+                     f"(target <= {t['limit']}) {verdict}; per round "
+                     f"{_spread(t['round_ratios'])}{floor}")
     if result.get("prefetch_gain"):
         lines.append(f"  stage 3 prefetch gain (no prefetch / prefetch): "
                      f"{result['prefetch_gain']:.3f}")
