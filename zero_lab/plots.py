@@ -194,7 +194,8 @@ def alpha_beta_figure(timings, model, world_size: int | None = None):
 
 def bench_figure(result: dict):
     """Three panels per system: step time (best round as a bar, every round's median as a
-    dot, on a CPU the floor its CPU work sets as a line), bytes held by rank 0 per category, and bytes one step sends by collective."""
+    dot, on a CPU the floor its CPU work sets as a line), bytes held by rank 0 per category,
+    and bytes one step sends by collective."""
     import matplotlib.pyplot as plt
 
     systems = result["systems"]
