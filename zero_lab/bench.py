@@ -15,18 +15,19 @@ overlapped stages' all-gathers in it).
 Written to `runs/bench/` (or --out): `bench.json` (everything), `bench.md` (a table),
 `bench.png` (a figure) and, with --profile, `profile_<system>.txt` (torch.profiler tables).
 
-On a CPU machine it also reports each system's CPU work per step (every rank's process, all
-threads: the compute and gloo's copies; `zero_lab.step_clock.CpuMeter`) and the floor it
-sets: R ranks on C cores keep at most C cores busy, so a step takes at least the ranks' CPU
-seconds summed / C. Hiding communication removes waiting, never work: a target whose floor
-ratio (this floor over the baseline's time) is above its limit cannot be met on this
-machine by overlapping alone, only by doing less work.
 Per system: the median step time of each round, the best of them, per-rank bytes held in
 parameters, gradients and optimizer states after backward (storages counted once; DDP's
 internal bucket buffers are invisible from Python and not counted), the bytes one step
 communicates (`zero_lab.collectives.CommLedger`, on an untimed step), and the largest
 difference of its trained weights from the first system's: every system sees the same
 batches, so the comparison is fair only if they all trained the same model.
+
+On a CPU machine it also reports each system's CPU work per step (every rank's process, all
+threads: the compute and gloo's copies; `zero_lab.step_clock.CpuMeter`) and the floor it
+sets: R ranks on C cores keep at most C cores busy, so a step takes at least the ranks' CPU
+seconds summed / C. Hiding communication removes waiting, never work: a target whose floor
+ratio (this floor over the baseline's time) is above its limit cannot be met on this
+machine by overlapping alone, only by doing less work.
 
 Targets, as ratios of each system's best round (and, for the spread, of the two systems'
 medians in each round, run side by side): stage 0 <= 1.1 x DDP,
