@@ -13,11 +13,8 @@ measured. Per run it reports what this rank holds after backward, its peak durin
 time of the other steps, and how far the trained weights end from the reference.
 
 With --time-collectives (notebook 03) it also reports what the backend's own profiler shows
-for one `reduce_scatter_single`, the best-of-9 times of three ways to reduce a gradient
-buffer the size of the model: all-reduce, torch's reduce-scatter, zero_lab's direct
-exchange; and stage 1's two collectives on that buffer (the direct reduce-scatter, then the
-all-gather) with the CPU work each call cost this rank's process (all its threads:
-`zero_lab.step_clock.CpuMeter`), beside the CPU work of copying as many bytes in memory.
+for one `reduce_scatter_single`, and the best-of-9 times of three ways to reduce a gradient
+buffer the size of the model: all-reduce, torch's reduce-scatter, zero_lab's direct exchange.
 
     deep_mlp_runs.py --width 512 --depth 6 --batch 16 --steps 6 \\
         --runs '{"stage 1": {"stage": 1}, "blog ZeRO-2": {"blog": 2}}' [--time-collectives]
@@ -37,7 +34,6 @@ from zero_lab.collectives import CommLedger, exchange
 from zero_lab.launch import init_worker, report
 from zero_lab.seed_blog import BlogZero
 from zero_lab.stages import full_state_dict, shard
-from zero_lab.step_clock import CpuMeter
 from zero_lab.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice, train
 
 MiB = 2**20
@@ -102,20 +98,16 @@ def run(args, how: dict, batches, ref_weights, device: torch.device) -> dict:
     }
 
 
-def timed_ms(fn, repeats: int = 9, cpu: list[float] | None = None) -> list[float]:
+def timed_ms(fn, repeats: int = 9) -> list[float]:
     """`repeats` calls of `fn`, each timed on the slowest rank (barriers around it), in ms,
-    sorted: the first is the best, the middle the median. With a list `cpu`, the CPU ms this
-    rank's process spent in each call are added to it (waiting in the barrier costs none)."""
+    sorted: the first is the best, the middle the median."""
     times = []
     for _ in range(repeats):
         dist.barrier()
         start = time.perf_counter()
-        with CpuMeter() as meter:
-            fn()
-            dist.barrier()
+        fn()
+        dist.barrier()
         times.append(1e3 * (time.perf_counter() - start))
-        if cpu is not None:
-            cpu.append(1e3 * meter.seconds)
     return sorted(times)
 
 
@@ -137,26 +129,7 @@ def time_collectives(n_params: int, world_size: int, device: torch.device) -> di
         "torch reduce_scatter_single": timed_ms(lambda: dist.reduce_scatter_single(mine, grads)),
         "zero_lab exchange.reduce_scatter": timed_ms(lambda: exchange.reduce_scatter(mine, grads)),
     }
-    return {"reduce_scatter_runs": backend_ops, "collective_ms": collective_ms,
-            "stage1_collectives": stage1_collectives_cpu(grads, mine, summed)}
-
-
-def stage1_collectives_cpu(grads: torch.Tensor, mine: torch.Tensor, out: torch.Tensor) -> dict:
-    """Stage 1's two collectives on one buffer (direct reduce-scatter, then all-gather), each
-    pair timed with the CPU it cost this rank; and the CPU of copying, inside this process,
-    as many bytes as the pair moves here (each collective sends N-1 chunks and receives
-    N-1): all in ms, sorted, best of 9 first."""
-    def collectives() -> None:
-        exchange.reduce_scatter(mine, grads)
-        exchange.all_gather(out, mine)
-
-    moved = 2 * 2 * (dist.get_world_size() - 1) * mine.numel()
-    source, copy = torch.randn(moved, device=mine.device), torch.empty(moved, device=mine.device)
-    cpu_ms, copy_cpu_ms = [], []
-    wall_ms = timed_ms(collectives, cpu=cpu_ms)
-    timed_ms(lambda: copy.copy_(source), cpu=copy_cpu_ms)
-    return {"wall_ms": wall_ms, "cpu_ms": sorted(cpu_ms),
-            "moved_bytes": moved * mine.element_size(), "copy_cpu_ms": sorted(copy_cpu_ms)}
+    return {"reduce_scatter_runs": backend_ops, "collective_ms": collective_ms}
 
 
 def main() -> None:
