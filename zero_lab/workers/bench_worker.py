@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import time
 
@@ -34,7 +33,13 @@ from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, BenchConfig, Trainer
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.measured import MemoryTimeline, held_bytes, model_state_tensors
-from zero_lab.step_clock import CpuMeter, settle_in_flight, time_back_to_back, training_step
+from zero_lab.step_clock import (
+    CpuMeter,
+    available_cores,
+    settle_in_flight,
+    time_back_to_back,
+    training_step,
+)
 from zero_lab.workloads import (
     count_parameters,
     deep_mlp,
@@ -222,7 +227,7 @@ def main() -> None:
     data = {"systems": [run.name for run in runs], "held": held, "peak": peak, "comm": comm,
             "backend": info.backend, "device": str(info.device), "n_params": n_params,
             "cpu_ms_per_step": {run.name: run.cpu_ms_per_step for run in runs},
-            "cores": len(os.sched_getaffinity(0))}
+            "cores": available_cores()}
     if info.rank == 0:
         data.update({"timing": timing, "order": order, "max_abs_diff": max_abs_diff,
                      "profiles": profiles,
