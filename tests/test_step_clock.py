@@ -10,6 +10,7 @@ step gives the gather 4 untimed seconds and reports 7 (how the bench timed until
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 import types
@@ -18,7 +19,13 @@ import pytest
 import torch
 from torch import nn
 
-from zero_lab.step_clock import CpuMeter, settle_in_flight, time_back_to_back, training_step
+from zero_lab.step_clock import (
+    CpuMeter,
+    available_cores,
+    settle_in_flight,
+    time_back_to_back,
+    training_step,
+)
 
 FORWARD, BACKWARD, STEP, ZERO_GRAD = 1.0, 2.0, 3.0, 1.0
 GATHER, BARRIER = 5.0, 4.0
@@ -166,3 +173,17 @@ def test_cpu_meter_counts_every_thread_of_the_process():
         worker.start()
         worker.join()
     assert cpu.seconds >= 0.3
+
+
+def test_available_cores_are_the_affinity_where_there_is_one(monkeypatch):
+    # taskset or a container's cpuset may allow fewer cores than the machine has
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1, 5}, raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 16)
+    assert available_cores() == 3
+
+
+def test_available_cores_without_an_affinity_call(monkeypatch):
+    # macOS has no os.sched_getaffinity
+    monkeypatch.delattr(os, "sched_getaffinity", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: 8)
+    assert available_cores() == 8
