@@ -59,6 +59,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, SYSTEMS, BenchConfig
+from zero_lab.formatting import spread
 from zero_lab.paths import BENCH, WORKERS
 
 DEFAULT_OUT = BENCH
@@ -169,11 +170,6 @@ def _round_ratios(system: dict, baseline: dict) -> list[float]:
                                   strict=True)]
 
 
-def _spread(values: list[float]) -> str:
-    """'median (min-max)'."""
-    return f"{statistics.median(values):.3f} ({min(values):.3f}-{max(values):.3f})"
-
-
 def _cpu_floor_ms(cpu_ms: list[list[float]], round_: int, cores: int) -> float:
     """The shortest step the ranks' CPU work allows in round `round_`: their CPU ms per step
     summed, over the cores they share (at most `cores` busy at once)."""
@@ -251,7 +247,7 @@ def markdown_table(result: dict) -> str:
     for t in result["targets"]:
         floor = f"{t['floor_ratio']:.3f}" if "floor_ratio" in t else "-"
         lines.append(f"| {t['system']} / {t['baseline']} | {t['ratio']:.3f} | "
-                     f"{_spread(t['round_ratios'])} | {t['limit']} | "
+                     f"{spread(t['round_ratios'], decimals=3)} | {t['limit']} | "
                      f"{'yes' if t['met'] else 'NO'} | {floor} |")
     return "\n".join(lines) + "\n"
 
@@ -348,7 +344,7 @@ def format_targets(result: dict) -> str:
                  if "floor_ratio" in t else "")
         lines.append(f"  {t['system']} / {t['baseline']}: {t['ratio']:.3f} "
                      f"(target <= {t['limit']}) {verdict}; per round "
-                     f"{_spread(t['round_ratios'])}{floor}")
+                     f"{spread(t['round_ratios'], decimals=3)}{floor}")
     if result.get("prefetch_gain"):
         lines.append(f"  stage 3 prefetch gain (no prefetch / prefetch): "
                      f"{result['prefetch_gain']:.3f}")

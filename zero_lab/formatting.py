@@ -1,9 +1,12 @@
 """Numbers as a reader takes them in: bar labels and model sizes, never 1.05e+03.
 
-Shared by the figures (`plots`) and the memory calculator (`widgets`).
+Shared by the figures (`plots`), the memory calculator (`widgets`) and the tables of
+measured times (`bench`, `knob_table`).
 """
 
 from __future__ import annotations
+
+import statistics
 
 
 def readable_number(value: float) -> str:
@@ -23,3 +26,9 @@ def model_size(n_params: float) -> str:
         if n_params >= scale:
             return f"{n_params / scale:.3g}{unit}"
     return f"{n_params:.0f}"
+
+
+def spread(values: list[float], decimals: int) -> str:
+    """Repeated measurements as 'median (min-max)': a spread, never a single number."""
+    return (f"{statistics.median(values):.{decimals}f} "
+            f"({min(values):.{decimals}f}-{max(values):.{decimals}f})")

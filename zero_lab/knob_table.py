@@ -8,8 +8,7 @@ steps. Only the last column, the name of the same knob in torch / DeepSpeed, is 
 
 from __future__ import annotations
 
-import statistics
-
+from zero_lab.formatting import spread
 from zero_lab.grading.nb08_knobs_recompute import volume as ledger_volume
 
 KiB = 2**10
@@ -45,8 +44,7 @@ HSDP_TORCH = {"flat": "FSDP2 `fully_shard(m, mesh=1-D mesh)`",
 
 def spread_ms(seconds: list[float]) -> str:
     """Step times as 'median (min-max)' in ms: a spread, never a single number."""
-    ms = [1e3 * t for t in seconds]
-    return f"{statistics.median(ms):.0f} ({min(ms):.0f}-{max(ms):.0f}) ms"
+    return spread([1e3 * t for t in seconds], decimals=0) + " ms"
 
 
 def _kib(nbytes: float) -> str:
