@@ -225,6 +225,11 @@ def _run_script(argv: list[str], run_dir: Path, rank: int) -> int:
     """Run the worker script as __main__; return the rank's exit code."""
     import runpy
 
+    import torch.distributed as dist
+
+    from zero_lab import torch_names
+
+    torch_names.provide(dist)  # the course's collective names on an older torch too
     script = argv[0]
     sys.argv = list(argv)
     sys.path.insert(0, str(Path(script).parent))

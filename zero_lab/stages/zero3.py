@@ -192,7 +192,7 @@ class Zero3(Zero2):
         the unit's index finds it first. Costs a synchronisation per unit: a debug aid."""
         mine = torch.tensor([u], dtype=torch.int64, device=self.units[u].local.device)
         everyone = mine.new_empty(self.world_size)
-        dist.all_gather_into_tensor(everyone, mine, group=self.units[u].group.process_group)
+        dist.all_gather_single(everyone, mine, group=self.units[u].group.process_group)
         if (everyone != u).any():
             names = {r: self.units[int(v)].name for r, v in enumerate(everyone.tolist())}
             raise RuntimeError(

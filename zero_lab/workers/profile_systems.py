@@ -120,7 +120,8 @@ class Run:
                            out / self.name, steps=steps, device=self.info.device,
                            profile_memory=False, prime=self.step, settle=self.settle)
             disturbed = torch.tensor([float(min(self.profiled[-steps:]) >
-                                            SLOWER * min(self.times) + 0.002)])
+                                            SLOWER * min(self.times) + 0.002)],
+                                     device=self.info.device)  # NCCL reduces CUDA tensors
             dist.all_reduce(disturbed, op=dist.ReduceOp.MAX)  # the ranks decide together
             if not disturbed.item():
                 break
@@ -162,9 +163,10 @@ class Run:
         return [{"op": r.op, "numel": r.numel, "nbytes": r.nbytes} for r in ledger.records], held
 
 
-def _slowest_rank(times: list[float]) -> list[float]:
-    """Each step's time on the slowest rank: a step ends when every rank is done."""
-    slowest = torch.tensor(times, dtype=torch.float64)
+def _slowest_rank(times: list[float], device: torch.device) -> list[float]:
+    """Each step's time on the slowest rank: a step ends when every rank is done. The tensor
+    sits on the rank's device: NCCL reduces only CUDA tensors."""
+    slowest = torch.tensor(times, dtype=torch.float64, device=device)
     dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
     return slowest.tolist()
 
@@ -196,14 +198,15 @@ def main() -> None:
             run.times.append(run.steady_step())
     results = {}
     for run in runs:
-        slowest = _slowest_rank(run.times)
+        slowest = _slowest_rank(run.times, info.device)
         trace, retakes = run.record(args.out, args.steps)
         ledger, held = run.ledger_step(args.out)
         results[run.name] = {"step_times": slowest, "trace": str(trace),
                              "minor_faults": run.faults, "retakes": retakes,
                              "ledger": ledger, "held_bytes": held}
         if run.name in twins:
-            results[run.name]["no_comm_step_times"] = _slowest_rank(twins[run.name].times)
+            twin_times = _slowest_rank(twins[run.name].times, info.device)
+            results[run.name]["no_comm_step_times"] = twin_times
             run.record_in_turn(twins[run.name], args.out, args.steps)
             # How busy the machine was while it recorded (the 1-minute load average per
             # core): the A/B check's band was measured for a range of loads (checks.py).
