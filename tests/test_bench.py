@@ -12,8 +12,8 @@ import json
 import pytest
 
 from zero_lab import bench
+from zero_lab.capacity import available_cores
 from zero_lab.memory import model_state_bytes
-from zero_lab.step_clock import available_cores
 
 CONFIG = bench.BenchConfig(width=48, depth=3, batch=4, rounds=2, steps=2, warmup=2)
 PSI = 3 * (48 * 48 + 48)

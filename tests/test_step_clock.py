@@ -19,9 +19,9 @@ import pytest
 import torch
 from torch import nn
 
+from zero_lab.capacity import available_cores
 from zero_lab.step_clock import (
     CpuMeter,
-    available_cores,
     settle_in_flight,
     time_back_to_back,
     training_step,

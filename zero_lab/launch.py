@@ -82,21 +82,34 @@ class LaunchResult:
 # --------------------------------------------------------------------------- parent side
 
 
-def resolve_backend(backend: str, nproc: int) -> str:
-    """'auto' means NCCL when CUDA has at least `nproc` devices, else gloo on CPU."""
+DEVICES = ("auto", "cpu", "cuda")
+
+
+def resolve_backend(backend: str, nproc: int, device: str = "auto") -> str:
+    """The backend a launch runs on. 'auto' means NCCL when CUDA has at least `nproc`
+    devices, else gloo on CPU; `device` ("cpu" or "cuda") decides it instead of the GPU count:
+    gloo runs ranks on the CPU, NCCL one rank per GPU. A backend that contradicts the device
+    is refused, naming both."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend == "gloo":
+    if device not in DEVICES:
+        raise ValueError(f"device must be one of {DEVICES}, got {device!r}")
+    wanted = {"cpu": "gloo", "cuda": "nccl"}.get(device, backend)
+    if backend != "auto" and wanted != backend:
+        raise ValueError(f"backend={backend!r} cannot run on device={device!r}: gloo runs the "
+                         f"ranks on the CPU, nccl on GPUs. Set one of them to 'auto'.")
+    if wanted == "gloo":
         return "gloo"
     import torch  # imported here so that `zero_lab.launch` itself stays light
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
-    if backend == "nccl" and gpus < nproc:
+    if wanted == "nccl" and gpus < nproc:
+        asked = f"device={device!r}" if device == "cuda" else "backend='nccl'"
         raise ValueError(
-            f"backend='nccl' needs one CUDA device per rank: nproc={nproc} but this machine "
+            f"{asked} needs one CUDA device per rank: nproc={nproc} but this machine "
             f"has {gpus}. Use backend='gloo' (CPU) or a smaller nproc."
         )
-    if backend == "nccl" or gpus >= nproc:
+    if wanted == "nccl" or gpus >= nproc:
         return "nccl"
     return "gloo"
 

@@ -25,3 +25,28 @@ def figures_dir() -> Path:
     path = Path(os.environ.get("ZERO_LAB_FIGURES_DIR", RUN_FIGURES))
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+def new_run_dir(kind: str, root: Path | None = None) -> Path:
+    """A new folder of this run's own under runs/<kind>/ (created; never one another run has).
+
+    Two kernels, `make test` beside `make lab`, or two learners in one course folder each get
+    their own: named by the time, this process's pid and a random suffix, and made with
+    `mkdir(exist_ok=False)`, so a name already taken is never shared. `root` defaults to
+    $ZERO_LAB_RUNS_DIR, else runs/.
+    """
+    import secrets
+    import time
+
+    if not kind or "/" in kind or kind.startswith("."):
+        raise ValueError(f"kind must be a plain folder name, got {kind!r}")
+    base = Path(root or os.environ.get("ZERO_LAB_RUNS_DIR", RUNS)) / kind
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    while True:
+        path = base / f"{stamp}-{os.getpid()}-{secrets.token_hex(2)}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path

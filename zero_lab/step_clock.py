@@ -27,7 +27,6 @@ CPU seconds per step, summed) / C, however well its communication overlaps its c
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 
@@ -84,14 +83,6 @@ class CpuMeter:
 
     def __exit__(self, *exc) -> None:
         self.seconds = self.clock() - self._start
-
-
-def available_cores() -> int:
-    """The cores this process may run on: its affinity where the OS tells it (Linux; a
-    container or `taskset` may allow fewer than the machine has), else every core."""
-    if hasattr(os, "sched_getaffinity"):
-        return len(os.sched_getaffinity(0))
-    return os.cpu_count() or 1
 
 
 def training_step(loss_of: Callable[[int], object], optimizer) -> Callable:

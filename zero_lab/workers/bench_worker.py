@@ -30,12 +30,12 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
 from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, BenchConfig, Trainer
+from zero_lab.capacity import available_cores
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
 from zero_lab.measured import MemoryTimeline, held_bytes, model_state_tensors
 from zero_lab.step_clock import (
     CpuMeter,
-    available_cores,
     settle_in_flight,
     time_back_to_back,
     training_step,
