@@ -65,12 +65,13 @@ def available_memory() -> int | None:
 
 
 def check_nproc(nproc: int, rank_bytes: int = RANK_BASE_BYTES, *, cores: int | None = None,
-                memory: int | None = -1, what: str = "nproc") -> None:
+                memory: int | None = -1, what: str = "nproc", stacklevel: int = 2) -> None:
     """Refuse `nproc` ranks this machine cannot run (ValueError naming `what`, the rule and
     the numbers); warn (CapacityWarning) when there are more ranks than cores.
 
     `rank_bytes` is what one rank needs, its work included. `cores` and `memory` default to
-    this machine's (`memory=None`: unknown, not checked).
+    this machine's (`memory=None`: unknown, not checked). `stacklevel` as warnings.warn's,
+    counted from the caller of this function.
     """
     if isinstance(nproc, bool) or not isinstance(nproc, int):
         raise TypeError(f"{what} must be an int (number of ranks), got {nproc!r} "
@@ -94,4 +95,4 @@ def check_nproc(nproc: int, rank_bytes: int = RANK_BASE_BYTES, *, cores: int | N
     if nproc > cores:
         warnings.warn(f"{what}={nproc} ranks on {cores} core{'s' if cores != 1 else ''}: the "
                       f"ranks take turns on the cores, so timings mean less",
-                      CapacityWarning, stacklevel=2)
+                      CapacityWarning, stacklevel=stacklevel)

@@ -31,6 +31,8 @@ from typing import NoReturn
 # Environment variables the launcher sets for its workers.
 ENV_RUN_DIR = "ZERO_LAB_RUN_DIR"
 ENV_BACKEND = "ZERO_LAB_BACKEND"
+# The file the ranks' process group meets on (a FileStore: nothing listens on a port).
+ENV_STORE = "ZERO_LAB_STORE"
 # The pid each process of a launch expects as its parent (see _die_with_parent): the
 # launching process for torchrun's agent, the agent for every rank.
 ENV_LAUNCHER_PID = "ZERO_LAB_LAUNCHER_PID"
@@ -63,7 +65,15 @@ def init_worker() -> WorkerInfo:
         device = torch.device("cpu")
     if not dist.is_initialized():
         _import_group_defaults()
-        dist.init_process_group(backend, device_id=device if backend == "nccl" else None)
+        device_id = device if backend == "nccl" else None
+        store_file = os.environ.get(ENV_STORE)
+        if store_file:  # torchrun() on one machine: the group meets on a file, not a port
+            world_size = int(os.environ["WORLD_SIZE"])
+            dist.init_process_group(backend, store=dist.FileStore(store_file, world_size),
+                                    rank=int(os.environ["RANK"]), world_size=world_size,
+                                    device_id=device_id)
+        else:  # plain torchrun (several machines): env:// and the TCP store it names
+            dist.init_process_group(backend, device_id=device_id)
     return WorkerInfo(dist.get_rank(), dist.get_world_size(), local_rank, backend, device)
 
 
@@ -120,7 +130,9 @@ def _run_agent(argv: list[str]) -> None:
     """torchrun's agent as torchrun() starts it: `python -m torch.distributed.run ARGV`, entered
     here so that it first ties its life to the launching process and gives its pid to the ranks.
     """
-    _die_with_parent(os.environ.get(ENV_LAUNCHER_PID))
+    # SIGTERM, not SIGKILL: torchrun stops its ranks on it, and the `finally` below ends what
+    # they started, when the launcher dies without a word (a kernel's hard restart).
+    _die_with_parent(os.environ.get(ENV_LAUNCHER_PID), signal.SIGTERM)
     os.environ[ENV_AGENT_PID] = str(os.getpid())  # every rank inherits the agent's environment
     _become_subreaper()
     from torch.distributed.run import main
@@ -282,8 +294,9 @@ def _destroy_group() -> None:
         pass
 
 
-def _die_with_parent(expected_parent: str | None) -> None:
-    """On Linux, have the kernel SIGKILL this process as soon as its parent dies (no orphans).
+def _die_with_parent(expected_parent: str | None, sig: int = signal.SIGKILL) -> None:
+    """On Linux, have the kernel send `sig` (SIGKILL by default) to this process as soon as
+    its parent dies (no orphans).
 
     Each link of a launch does this at start-up: torchrun's agent against the launching
     process (a notebook kernel, pytest), each rank against the agent. Whatever ends the
@@ -304,7 +317,7 @@ def _die_with_parent(expected_parent: str | None) -> None:
     with contextlib.suppress(OSError, AttributeError):
         libc = ctypes.CDLL(None, use_errno=True)
         pr_set_pdeathsig = 1
-        libc.prctl(pr_set_pdeathsig, signal.SIGKILL)
+        libc.prctl(pr_set_pdeathsig, sig)
     parent = os.getppid()
     if (parent != int(expected_parent)) if expected_parent else (parent == 1):
         os._exit(1)
