@@ -53,6 +53,8 @@ def test_inherited_launcher_variables_are_cleared_and_named(temp_dir, monkeypatc
         result = torchrun(WORKERS / "probe.py", nproc=2, backend="gloo", stream=False,
                           timeout=60)
     assert len(result.ranks) == 2
+    assert result.ranks[1]["pet"] == []  # none reached the ranks
+    assert result.ranks[1]["run_id"] != "someone-elses-job"
 
 
 LAUNCH_ORPHANS = (
@@ -186,3 +188,13 @@ def test_rank_script_refuses_to_write_beside_the_package(monkeypatch):
     with pytest.raises(UsageError, match=r"notebooks.*--cwd"):
         launch.rank_script("workers/stray.py", "print('hi')\n")
     assert not (REPO_ROOT / "workers").exists()
+
+
+def test_a_failure_shown_on_purpose_removes_its_logs(temp_dir):
+    with pytest.raises(LaunchError) as caught:
+        torchrun(WORKERS / "probe.py", nproc=2, backend="gloo", stream=False, timeout=60,
+                 args=["--fail-rank", "1"])
+    assert caught.value.run_dir.is_dir()  # kept for reading, and named in the message
+    assert str(caught.value.run_dir) in str(caught.value)
+    caught.value.remove_logs()
+    assert list(temp_dir.glob("zero_lab-*")) == []

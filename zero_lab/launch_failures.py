@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
@@ -32,6 +33,12 @@ class LaunchError(RuntimeError):
         self.rank = rank
         self.cause = cause or message.split("\n", 1)[0]
         self.tail = tail
+
+    def remove_logs(self) -> None:
+        """Delete the launch's log folder (a failed launch keeps it for reading): for a failure
+        shown on purpose, as notebook 00's are, whose logs nobody will open."""
+        if self.run_dir is not None:
+            shutil.rmtree(self.run_dir, ignore_errors=True)
 
     def _render_traceback_(self) -> list[str]:
         # IPython calls this instead of printing a traceback: the frames inside torchrun()

@@ -28,6 +28,8 @@ report({  # a second call merges into the first
     "sum": total.item(),
     "omp_threads": os.environ.get("OMP_NUM_THREADS"),
     "marker": os.environ.get("ZERO_LAB_TEST_MARKER"),
+    "pet": sorted(k for k in os.environ if k.startswith("PET_")),  # torchrun's own options
+    "run_id": os.environ.get("TORCHELASTIC_RUN_ID"),
     "env_backend": os.environ.get("ZERO_LAB_BACKEND"),
 })
 if opts.bad_report:
