@@ -118,7 +118,7 @@ def _files_open_under(folder: Path) -> list[str]:
 def test_an_interrupted_launch_leaves_no_thread_file_or_folder(temp_dir):
     (temp_dir / "pids").mkdir()
     threads_before = set(threading.enumerate())
-    timer = threading.Timer(8.0, lambda: __import__("_thread").interrupt_main())
+    timer = threading.Timer(3.0, lambda: __import__("_thread").interrupt_main())
     timer.start()
     try:
         with pytest.raises(KeyboardInterrupt):

@@ -228,9 +228,9 @@ def bad_input(root: Path, rank: int, world: int) -> dict:
     train(model, opt, 0, 1, rank, world)
     out = {
         "numpy_step": message(lambda: checkpoint.save(model, opt, root / "bad_np",
-                                                      step=numpy.int64(3))),
+                                                      step=numpy.float64(3))),
         "tensor_step": message(lambda: checkpoint.save(model, opt, root / "bad_t",
-                                                       step=torch.tensor(3))),
+                                                       step=torch.tensor(3.0))),
         "extras": message(lambda: checkpoint.save(model, opt, root / "bad_x", step=1,
                                                   extras={"lr": 0.1})),
     }

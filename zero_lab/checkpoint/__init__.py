@@ -22,6 +22,7 @@ and dtypes, the optimizer's class and groups, a SHA-256 per file and one of its 
     agreement.py     the ranks of a save or load name one checkpoint, and refuse together
     groups.py        optimizer groups matched by the parameters they hold
     extras.py        Stateful extras (scheduler, RNG, data position), per rank
+    locking.py       one save to a name at a time: another job's save is refused by name
     publication.py   fsync, then the link replaced atomically; leftovers of killed saves
     saving.py        save(): check, write, publish
     loading.py       load(): agree, read everything and check it, and only then overwrite
@@ -31,8 +32,9 @@ and dtypes, the optimizer's class and groups, a SHA-256 per file and one of its 
 from zero_lab.checkpoint.consolidation import consolidate, iter_consolidated
 from zero_lab.checkpoint.extras import RNGState, Stateful
 from zero_lab.checkpoint.loading import load
+from zero_lab.checkpoint.locking import CheckpointBusy
 from zero_lab.checkpoint.manifest import CheckpointError, read_manifest
 from zero_lab.checkpoint.saving import save
 
-__all__ = ["CheckpointError", "RNGState", "Stateful", "consolidate", "iter_consolidated", "load",
-           "read_manifest", "save"]
+__all__ = ["CheckpointBusy", "CheckpointError", "RNGState", "Stateful", "consolidate",
+           "iter_consolidated", "load", "read_manifest", "save"]

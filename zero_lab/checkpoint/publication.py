@@ -18,7 +18,8 @@ A process killed between any two steps leaves `ckpt` reaching the previous check
 (before 4) or the new one (from 4 on): tests/test_checkpoint_real_world.py kills one at each.
 What a killed save leaves (a partial directory, an unpublished step directory, a link, an
 old step directory) is removed by the next save to the name, before it writes anything, so
-retries on a full disk do not pile up copies.
+retries on a full disk do not pile up copies. That save holds the name's lock (locking.py):
+no other live job is saving to the name, so all it removes is dead saves' leftovers.
 
 Why a link and not a `latest` file naming the step: the name stays a checkpoint directory
 (everything that opens `ckpt/...` works, `consolidate("ckpt")` included), and a reader that
@@ -103,7 +104,9 @@ def remove(path: Path) -> None:
 
 
 def clean_leftovers(directory: Path) -> list[Path]:
-    """Remove what killed saves left beside `directory`; return what was removed."""
+    """Remove what killed saves left beside `directory`; return what was removed. Call it
+    holding the name's lock (locking.py): without it, another job's save in progress looks
+    like leftovers too."""
     found = leftovers(directory)
     for path in found:
         remove(path)

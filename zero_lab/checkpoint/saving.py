@@ -5,6 +5,8 @@ together (agreement.py):
 
     1. check: `step`, the extras, the optimizer's settings, the target; every rank names the
        same path and step. Nothing is written before this passes, so bad input leaves nothing.
+       Then rank 0 takes the name's lock for the rest of the save (locking.py), or every rank
+       refuses: another job is saving to the same name.
     2. write: each rank writes its shard (and its extras) into a hidden partial directory and
        forces it to disk.
     3. publish (rank 0): the manifest last, fsynced with the directory, then the name is
@@ -13,6 +15,7 @@ together (agreement.py):
 
 from __future__ import annotations
 
+import operator
 import uuid
 from pathlib import Path
 
@@ -21,7 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from zero_lab.checkpoint import extras as extras_
-from zero_lab.checkpoint import layout, publication
+from zero_lab.checkpoint import layout, locking, publication
 from zero_lab.checkpoint.agreement import check_same, failure, gather, refuse_together
 from zero_lab.checkpoint.manifest import FORMAT, MANIFEST, CheckpointError, sha256, write_manifest
 
@@ -37,12 +40,22 @@ def _jsonable(key: str, value):
                           "numbers, strings, booleans and lists of them can be saved")
 
 
-def check_step(step: object) -> None:
-    """`step` goes into the JSON manifest: a plain non-negative int, or None."""
-    if step is not None and (type(step) is not int or step < 0):
+def check_step(step: object) -> int | None:
+    """`step` as the plain int the JSON manifest holds (or None): anything that is an integer
+    to Python (`operator.index`: an int, a numpy integer, an integer tensor of one element),
+    not negative. A bool is refused (True is no step number), and so is a float, even 3.0."""
+    if step is None:
+        return None
+    is_bool = isinstance(step, bool) or (isinstance(step, torch.Tensor)
+                                         and step.dtype == torch.bool)
+    try:
+        value = None if is_bool else operator.index(step)
+    except TypeError:
+        value = None
+    if value is None or value < 0:
         raise CheckpointError(f"step must be a non-negative int or None, got "
-                              f"{type(step).__module__}.{type(step).__qualname__} {step!r}"
-                              + (": pass int(step)" if hasattr(step, "__index__") else ""))
+                              f"{type(step).__module__}.{type(step).__qualname__} {step!r}")
+    return value
 
 
 def _check_target(directory: Path) -> None:
@@ -78,7 +91,7 @@ def save(model, optimizer, directory: Path | str, step: int | None = None,
     # 1. Check everything, agree on one checkpoint; nothing is written before this.
     problem, settings, states, digests = None, [], {}, {}
     try:
-        check_step(step)
+        step = check_step(step)  # numpy.int64(3) -> 3: the manifest is JSON
         stateful = extras_.check_extras(extras)
         settings = _settings(opt)
         states, digests = extras_.states(stateful)
@@ -90,60 +103,64 @@ def save(model, optimizer, directory: Path | str, step: int | None = None,
                        "names": (str(directory.absolute()), repr(step), sorted(digests))})
     refuse_together([e["problem"] for e in everyone])
     check_same("saves to (path, step, extras)", [e["names"] for e in everyone])
-    token = everyone[0]["token"]
-    partial = publication.hidden(directory, "partial", token)
-    problem = None
-    if rank == 0:
-        try:
-            publication.clean_leftovers(directory)
-            partial.mkdir(parents=True)
-        except OSError as exc:
-            problem = f"{partial}: cannot create the checkpoint directory ({exc})"
-    refuse_together(gather(problem))
-
-    # 2. Each rank writes what it holds, and forces it to disk.
-    tensors, pieces, groups = {}, [], {}
-    group_of = {id(t): k for k, pg in enumerate(opt.optim.param_groups) for t in pg["params"]}
-    file = f"rank{rank}.safetensors"
-
-    def keep(kind: str, span: layout.Span, state: str | None = None) -> None:
-        key = f"{kind}/{state + '/' if state else ''}{span.name}/{span.start}"
-        value = span.tensor.detach()
-        tensors[key] = (value.float() if kind == "value" else value).clone().contiguous()
-        pieces.append({"file": file, "key": key, "kind": kind, "state": state,
-                       "name": span.name, "start": span.start, "numel": span.numel})
-
-    mine: dict = {"problem": None, "files": {}, "digests": digests}
-    try:
-        for span in layout.value_spans(opt, rank):
-            keep("value", span)
-        for state, span in layout.state_spans(opt, rank):
-            keep("state", span, state)
-        for pc, view in zip(opt.pieces, opt.views, strict=True):
-            if id(view) in group_of:
-                groups[opt.sync.groups[pc.group].names[pc.param]] = group_of[id(view)]
+    # The name's lock, held by rank 0 to the end of the save (locking.py): another job saving
+    # to this name is refused on every rank, before anything is written or removed; and what
+    # lies beside the name while we hold it is dead saves' leftovers, never a live job's.
+    with locking.held(directory):
+        token = everyone[0]["token"]
+        partial = publication.hidden(directory, "partial", token)
+        problem = None
         if rank == 0:
-            for name, t in layout.others(model, opt).items():
-                keep("other", layout.Span(name, 0, t.numel(), t))
-        mine["files"][file] = _write(partial / file, lambda p: save_file(tensors, str(p)))
-        tensors.clear()  # the copies, freed before the extras and the manifest
-        if states:
-            mine["files"][extras_.file_of(rank)] = _write(
-                partial / extras_.file_of(rank), lambda p: torch.save(states, p))
-        mine.update(pieces=pieces, groups=groups)
-    except Exception as exc:  # noqa: BLE001 - a full disk on one rank stops every rank
-        mine["problem"] = failure(exc)
-    everyone = gather(mine)
-    refuse_together([e["problem"] for e in everyone])
+            try:
+                publication.clean_leftovers(directory)
+                partial.mkdir(parents=True)
+            except OSError as exc:
+                problem = f"{partial}: cannot create the checkpoint directory ({exc})"
+        refuse_together(gather(problem))
 
-    # 3. Rank 0: the manifest, last, then publication.
-    problem = None
-    if rank == 0:
+        # 2. Each rank writes what it holds, and forces it to disk.
+        tensors, pieces, groups = {}, [], {}
+        group_of = {id(t): k for k, pg in enumerate(opt.optim.param_groups) for t in pg["params"]}
+        file = f"rank{rank}.safetensors"
+
+        def keep(kind: str, span: layout.Span, state: str | None = None) -> None:
+            key = f"{kind}/{state + '/' if state else ''}{span.name}/{span.start}"
+            value = span.tensor.detach()
+            tensors[key] = (value.float() if kind == "value" else value).clone().contiguous()
+            pieces.append({"file": file, "key": key, "kind": kind, "state": state,
+                           "name": span.name, "start": span.start, "numel": span.numel})
+
+        mine: dict = {"problem": None, "files": {}, "digests": digests}
         try:
-            _publish(model, opt, directory, partial, token, step, settings, everyone)
-        except Exception as exc:  # noqa: BLE001
-            problem = failure(exc)
-    refuse_together(gather(problem))
+            for span in layout.value_spans(opt, rank):
+                keep("value", span)
+            for state, span in layout.state_spans(opt, rank):
+                keep("state", span, state)
+            for pc, view in zip(opt.pieces, opt.views, strict=True):
+                if id(view) in group_of:
+                    groups[opt.sync.groups[pc.group].names[pc.param]] = group_of[id(view)]
+            if rank == 0:
+                for name, t in layout.others(model, opt).items():
+                    keep("other", layout.Span(name, 0, t.numel(), t))
+            mine["files"][file] = _write(partial / file, lambda p: save_file(tensors, str(p)))
+            tensors.clear()  # the copies, freed before the extras and the manifest
+            if states:
+                mine["files"][extras_.file_of(rank)] = _write(
+                    partial / extras_.file_of(rank), lambda p: torch.save(states, p))
+            mine.update(pieces=pieces, groups=groups)
+        except Exception as exc:  # noqa: BLE001 - a full disk on one rank stops every rank
+            mine["problem"] = failure(exc)
+        everyone = gather(mine)
+        refuse_together([e["problem"] for e in everyone])
+
+        # 3. Rank 0: the manifest, last, then publication.
+        problem = None
+        if rank == 0:
+            try:
+                _publish(model, opt, directory, partial, token, step, settings, everyone)
+            except Exception as exc:  # noqa: BLE001
+                problem = failure(exc)
+        refuse_together(gather(problem))
     return directory
 
 
