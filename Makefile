@@ -1,6 +1,8 @@
 # zero-lab: every course task is one target here. `make help` lists them.
 # Knobs for run/figures: NPROC (ranks per multi-rank cell), BACKEND (auto|gloo|nccl),
-# DEVICE (auto|cpu|cuda), ONLY (run only notebooks whose name starts with this, e.g. ONLY=03).
+# DEVICE (auto|cpu|cuda: cpu runs every launch on gloo, even beside GPUs; cuda runs NCCL and is
+# refused without a GPU per rank; auto follows BACKEND), ONLY (run only notebooks whose name
+# starts with this, e.g. ONLY=03).
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -33,7 +35,7 @@ $(VENV)/.installed: pyproject.toml
 lab: setup ## open the notebooks in JupyterLab (kernel from .venv)
 	$(VENV)/bin/jupyter lab notebooks/ $(if $(filter 0,$(shell id -u)),--allow-root)
 
-run: setup ## execute every notebook in order with papermill into runs/executed/
+run: setup ## execute every notebook in order with papermill into a run folder of its own (runs/course/...)
 	$(PY) -m zero_lab.course run $(COURSE_ARGS)
 
 figures: setup ## run, then copy the figures the notebooks saved into figures/

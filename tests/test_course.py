@@ -1,7 +1,11 @@
-"""`make run`'s runner: executes notebooks in order, names the notebook and cell that fail."""
+"""`make run`'s runner: executes notebooks in order, names the notebook and cell that fail;
+a run folder of its own; refuses what would fail (ranks the machine cannot hold, a device it
+lacks) before any kernel starts; writes executed notebooks whole or not at all."""
 
 from __future__ import annotations
 
+import errno
+import json
 import os
 import re
 import shutil
@@ -28,34 +32,53 @@ def _notebook(path, *sources):
 @pytest.fixture
 def course_dirs(tmp_path, monkeypatch):
     monkeypatch.setattr(course, "NOTEBOOKS", tmp_path / "notebooks")
-    monkeypatch.setattr(course, "EXECUTED", tmp_path / "executed")
-    monkeypatch.setenv("ZERO_LAB_FIGURES_DIR", str(tmp_path / "figures"))
+    monkeypatch.setattr(course, "FIGURES", tmp_path / "committed_figures")
+    monkeypatch.setenv("ZERO_LAB_RUNS_DIR", str(tmp_path / "runs"))
     (tmp_path / "notebooks").mkdir()
     return tmp_path
 
 
 def test_runs_in_order_with_parameters(course_dirs, capfd):
     _notebook(course_dirs / "notebooks" / "01_b.ipynb", "assert nproc == 3, nproc")
-    _notebook(course_dirs / "notebooks" / "00_a.ipynb", "print(backend)")
+    _notebook(course_dirs / "notebooks" / "00_a.ipynb", "print(backend)",
+              "import os; print(os.environ['ZERO_LAB_FIGURES_DIR'])",
+              "print(os.environ['ZERO_LAB_RUNS_DIR'])")
     (course_dirs / "notebooks" / "scratch.ipynb").write_text("not a course notebook")
-    outputs = course.run({"nproc": 3, "backend": "gloo", "device": "cpu"})
-    assert [p.name for p in outputs] == ["00_a.ipynb", "01_b.ipynb"]
-    executed = nbformat.read(outputs[0], as_version=4)
-    assert executed.cells[-1].outputs[0]["text"] == "gloo\n"
+    figures_before = os.environ["ZERO_LAB_FIGURES_DIR"]
+    run_dir = course.run({"nproc": 3, "backend": "gloo", "device": "cpu"})
+    # a folder of this run's own, under $ZERO_LAB_RUNS_DIR/course/
+    assert run_dir.parent == course_dirs / "runs" / "course"
+    executed = run_dir / "executed"
+    assert sorted(p.name for p in executed.iterdir()) == ["00_a.ipynb", "01_b.ipynb"]
+    cells = nbformat.read(executed / "00_a.ipynb", as_version=4).cells
+    # the kernels save figures, and notebooks their run folders, inside this run's folder
+    assert [c.outputs[0]["text"] for c in cells[-3:]] == [
+        "gloo\n", f"{run_dir / 'figures'}\n", f"{run_dir}\n"]
+    assert os.environ["ZERO_LAB_FIGURES_DIR"] == figures_before  # put back after the run
     out, err = capfd.readouterr()  # the kernels' own stderr included
     assert "WARNING" not in err and "encryption" not in err, err
     # The end of the run: the total time and where its results are.
     lines = out.splitlines()
-    assert re.fullmatch(r"2 notebooks executed in \d+(\.\d)? s", lines[-3]), out
-    assert lines[-2] == f"executed notebooks: {course_dirs / 'executed'}"
-    assert lines[-1] == (f"figures: {course_dirs / 'figures'} "
-                         "(`make figures` copies them into figures/)")
+    assert re.fullmatch(r"2 notebooks executed in \d+(\.\d)? s", lines[-4]), out
+    assert lines[-3] == f"run folder: {run_dir}"
+    assert lines[-2] == f"executed notebooks: {executed}"
+    assert lines[-1] == (f"figures: {run_dir / 'figures'} "
+                         "(`make figures` copies them into committed_figures/)")
+
+
+def test_two_runs_never_share_a_folder(course_dirs):
+    _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
+    first = course.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
+    second = course.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
+    assert first != second
+    assert (first / "executed" / "00_a.ipynb").is_file()
+    assert (second / "executed" / "00_a.ipynb").is_file()
 
 
 def test_summary_counts_minutes_past_a_minute():
-    text = course.summary(8, 754.2, Path("runs/executed"), Path("runs/figures"))
+    text = course.summary(8, 754.2, Path("runs/course/x"))
     assert text.splitlines()[0] == "8 notebooks executed in 12 min 34 s"
-    assert course.summary(1, 2.04, Path("e"), Path("f")).startswith("1 notebook executed in 2.0 s")
+    assert course.summary(1, 2.04, Path("r")).startswith("1 notebook executed in 2.0 s")
 
 
 def test_failure_names_notebook_and_cell(course_dirs, capsys):
@@ -67,6 +90,134 @@ def test_failure_names_notebook_and_cell(course_dirs, capsys):
     err = capsys.readouterr().err
     assert "FAILED: 01_bad.ipynb, cell 3 (execution count 4), starting '1 / 0'" in err
     assert "ZeroDivisionError: division by zero" in err
+    # the executed copy up to the failure, whole, at its name (and nothing else beside it)
+    kept = re.search(r"The executed copy up to the failure is (\S+)", err).group(1)
+    assert Path(kept).name == "01_bad.ipynb"
+    assert nbformat.read(kept, as_version=4).cells[-1].outputs[0]["ename"] == "ZeroDivisionError"
+    assert sorted(p.name for p in Path(kept).parent.iterdir()) == ["00_ok.ipynb", "01_bad.ipynb"]
+
+
+def _papermill_that_writes_half_then(monkeypatch, error: BaseException) -> list:
+    """papermill.execute_notebook replaced: it writes half a notebook at the output path, as
+    a disk that fills mid-write leaves it, then raises `error`. Returns the paths it wrote."""
+    import papermill
+
+    written = []
+
+    def execute_notebook(input_path, output_path, **kwargs):
+        written.append(Path(output_path))
+        text = json.dumps(nbformat.read(input_path, as_version=4))
+        Path(output_path).write_text(text[: len(text) // 2])
+        raise error
+
+    monkeypatch.setattr(papermill, "execute_notebook", execute_notebook)
+    return written
+
+
+@pytest.mark.parametrize("code, cause, todo", [
+    (errno.ENOSPC, "no space left", "free space"),
+    (errno.EROFS, "read-only", "ZERO_LAB_RUNS_DIR"),
+    (errno.EACCES, "permission denied", "ZERO_LAB_RUNS_DIR"),
+])
+def test_a_failed_write_leaves_no_half_notebook_and_says_why(course_dirs, monkeypatch, capsys,
+                                                            code, cause, todo):
+    # Failed before: a raw `OSError: [Errno 28]` traceback, and runs/executed/03_zero1.ipynb
+    # left as truncated JSON at its final name.
+    _notebook(course_dirs / "notebooks" / "03_zero1.ipynb", "x = 1")
+    written = _papermill_that_writes_half_then(monkeypatch, OSError(code, os.strerror(code)))
+    with pytest.raises(SystemExit) as info:
+        course.run({"nproc": 2, "backend": "gloo", "device": "cpu"})
+    assert info.value.code not in (0, None)
+    [run_dir] = (course_dirs / "runs" / "course").iterdir()
+    final = run_dir / "executed" / "03_zero1.ipynb"
+    assert written and written[0] != final and written[0].parent == final.parent  # same folder
+    assert list(final.parent.iterdir()) == []  # neither the half file nor its temporary name
+    err = capsys.readouterr().err
+    assert "Traceback" not in err and "OSError" not in err, err
+    line = err.strip().splitlines()[-1]  # one line (after the progress bar's)
+    assert str(final) in line and cause in line.lower() and todo in line, err
+
+
+def test_a_run_folder_that_cannot_be_made_says_why(course_dirs, monkeypatch, capsys):
+    _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
+
+    def read_only(kind):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(course_dirs / "runs" / kind))
+
+    monkeypatch.setattr(course, "new_run_dir", read_only)
+    with pytest.raises(SystemExit) as info:
+        course.run({"nproc": 2, "backend": "gloo", "device": "cpu"})
+    assert info.value.code not in (0, None)
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(course_dirs / "runs" / "course") in err, err
+    assert "read-only" in err and "ZERO_LAB_RUNS_DIR" in err and "Traceback" not in err, err
+
+
+def test_a_dead_kernel_names_the_notebook_nproc_and_memory(course_dirs, monkeypatch, capsys):
+    # Failed before: a raw `DeadKernelError: Kernel died` naming neither notebook nor nproc.
+    from nbclient.exceptions import DeadKernelError
+
+    _notebook(course_dirs / "notebooks" / "03_zero1.ipynb", "x = 1")
+    _papermill_that_writes_half_then(monkeypatch, DeadKernelError("Kernel died"))
+    with pytest.raises(SystemExit) as info:
+        course.run({"nproc": 4, "backend": "gloo", "device": "cpu"})
+    assert info.value.code not in (0, None)
+    err = capsys.readouterr().err
+    assert "03_zero1.ipynb" in err and "nproc=4" in err and "out of memory" in err, err
+    assert "Traceback" not in err
+
+
+def _no_kernel(monkeypatch) -> list:
+    import papermill
+
+    started = []
+    monkeypatch.setattr(papermill, "execute_notebook", lambda *a, **k: started.append(a))
+    return started
+
+
+def test_too_many_ranks_are_refused_before_any_kernel(course_dirs, monkeypatch, capsys):
+    # Failed before: `make run NPROC=64` on 2 cores ran until the out-of-memory killer.
+    monkeypatch.setattr("zero_lab.capacity.available_cores", lambda: 2)
+    _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
+    started = _no_kernel(monkeypatch)
+    with pytest.raises(SystemExit) as info:
+        course.main(["run", "--nproc", "64"])
+    assert info.value.code not in (0, None)
+    assert started == [] and not (course_dirs / "runs").exists()  # no kernel, no run folder
+    err = capsys.readouterr().err
+    assert "nproc=64 ranks on 2 cores: refused" in err and "Traceback" not in err, err
+
+
+def test_more_ranks_than_memory_are_refused_before_any_kernel(course_dirs, monkeypatch, capsys):
+    monkeypatch.setattr("zero_lab.capacity.available_cores", lambda: 16)
+    monkeypatch.setattr("zero_lab.capacity.available_memory", lambda: 2**30)
+    _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
+    started = _no_kernel(monkeypatch)
+    with pytest.raises(SystemExit):
+        course.main(["run", "--nproc", "16"])
+    assert started == []
+    assert "nproc=16 ranks need about" in capsys.readouterr().err
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="this machine has a GPU")
+def test_a_device_the_machine_lacks_is_refused_before_any_kernel(course_dirs, monkeypatch,
+                                                                 capsys):
+    # Failed before: `--device cuda` with no GPU ran the course on gloo and returned 0.
+    _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
+    started = _no_kernel(monkeypatch)
+    with pytest.raises(SystemExit) as info:
+        course.main(["run", "--device", "cuda"])
+    assert info.value.code not in (0, None) and started == []
+    assert "device='cuda'" in capsys.readouterr().err
+
+
+def test_make_figures_copies_from_the_run_it_made(course_dirs):
+    _notebook(course_dirs / "notebooks" / "00_a.ipynb",
+              "from zero_lab.paths import figures_dir\n"
+              "(figures_dir() / 'made_here.png').write_bytes(b'png')")
+    course.main(["figures", "--nproc", "1", "--backend", "gloo"])
+    assert sorted(p.name for p in (course_dirs / "committed_figures").iterdir()) == [
+        "made_here.png"]
 
 
 def test_only_that_matches_nothing_is_an_error(course_dirs):
@@ -87,3 +238,31 @@ def test_make_lab_allows_root_only_as_root(tmp_path, uid, flag):
                          text=True, check=True).stdout
     lab = [ln for ln in out.splitlines() if "jupyter lab" in ln]
     assert len(lab) == 1 and lab[0].endswith("--allow-root") == flag, out
+
+
+def test_a_figure_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):
+    # plots.save_figure writes a temporary name beside the figure and renames it: a disk that
+    # fills mid-write leaves no half PNG under the figure's name (failed before: it did).
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from zero_lab.plots import save_figure
+
+    monkeypatch.setenv("ZERO_LAB_FIGURES_DIR", str(tmp_path))
+    fig = plt.figure()
+    path = save_figure(fig, "whole")
+    assert path == tmp_path / "whole.png" and path.read_bytes().startswith(b"\x89PNG")
+    assert [p.name for p in tmp_path.iterdir()] == ["whole.png"]
+
+    def half_then_full(target, **kwargs):
+        Path(target).write_bytes(b"\x89PNG half")
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(fig, "savefig", half_then_full)
+    with pytest.raises(OSError, match=r"saving figure 'cut'.*ZERO_LAB_FIGURES_DIR") as info:
+        save_figure(fig, "cut")
+    assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "cut.png")
+    assert [p.name for p in tmp_path.iterdir()] == ["whole.png"]
+    plt.close(fig)

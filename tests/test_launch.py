@@ -75,9 +75,10 @@ def test_every_rank_reports_and_rank0_streams(nproc, probe_run):
     assert [r["rank"] for r in result.ranks] == list(range(nproc))
     expected_sum = nproc * (nproc + 1) / 2
     for r, rep in enumerate(result.ranks):
+        assert rep.pop("run_id").startswith("zero_lab-probe-")  # the launch's own rendezvous
         assert rep == {
             "rank": r, "world_size": nproc, "backend": "gloo", "sum": expected_sum,
-            "omp_threads": "1", "marker": marker, "env_backend": "gloo",
+            "omp_threads": "1", "marker": marker, "env_backend": "gloo", "pet": [],
         }
     assert result.backend == "gloo" and result.nproc == nproc
     assert result.wall_time > 0

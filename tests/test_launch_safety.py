@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_lab import capacity, launch
+from zero_lab import capacity, launch, launch_env
 from zero_lab.launch import LaunchError, torchrun
 from zero_lab.paths import REPO_ROOT
 
@@ -158,7 +158,7 @@ def test_a_full_temporary_folder_is_named(temp_dir, monkeypatch):
 
 
 def test_a_launch_that_failed_on_a_full_disk_says_so(temp_dir, monkeypatch):
-    monkeypatch.setattr(launch, "_free_bytes", lambda path: 4096)
+    monkeypatch.setattr(launch_env, "free_bytes", lambda path: 4096)
     with pytest.raises(LaunchError, match=r"4 KiB free.*full"):
         torchrun(WORKERS / "launch_die.py", nproc=2, backend="gloo", stream=False, timeout=60,
                  args=["exit"])

@@ -23,10 +23,15 @@ each rank reported. The package has one home for each side, and shared modules b
                   seed_blog.py    the seed blog's ZeRO, paraphrased once, to be measured
                   bench_systems.py  the systems `make bench` races, built on every rank
                   launch.py       torchrun(): start a launch, stream it, end it, read reports
+                  launch_env.py   what a launch exposes and inherits: rendezvous on files,
+                                  sockets on loopback, the caller's launcher variables
                   launch_failures.py  which rank failed a launch, and how (LaunchError)
+                  capacity.py     will nproc ranks fit: cores and memory, checked first
                   worker.py       the rank side of a launch: init_worker(), report(), the
                                   per-rank entry point (launch.py re-exports the two)
-                  paths.py        where things live in the repository
+                  paths.py        where things live in the repository; new_run_dir()
+                  parameters.py   a notebook's parameters checked by name, before any work
+                  torch_names.py  the collective names torch 2.13 uses, on an older torch
 
 The rule (tests/test_layout.py reads the import graph and holds it): code the kernel runs
 never imports a rank script, and a rank script never imports parent-only code; shared

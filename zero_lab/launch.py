@@ -43,20 +43,14 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import threading
 import time
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zero_lab import capacity
+from zero_lab import capacity, launch_env
 from zero_lab.launch_failures import LaunchError, LaunchTimeout, failure, log_listing
 from zero_lab.worker import (
-    ENV_BACKEND,
-    ENV_LAUNCHER_PID,
-    ENV_RUN_DIR,
-    ENV_STORE,
     WorkerInfo,
     init_worker,
     report,
@@ -107,10 +101,11 @@ def resolve_backend(backend: str, nproc: int, device: str = "auto") -> str:
 
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if wanted == "nccl" and gpus < nproc:
-        asked = f"device={device!r}" if device == "cuda" else "backend='nccl'"
+        asked, instead = (("device='cuda'", "device='cpu'") if device == "cuda"
+                          else ("backend='nccl'", "backend='gloo'"))
         raise ValueError(
             f"{asked} needs one CUDA device per rank: nproc={nproc} but this machine "
-            f"has {gpus}. Use backend='gloo' (CPU) or a smaller nproc."
+            f"has {gpus}. Use {instead} (CPU) or a smaller nproc."
         )
     if wanted == "nccl" or gpus >= nproc:
         return "nccl"
@@ -153,12 +148,12 @@ def torchrun(
     script_path, str_args = _check_arguments(script, nproc, args, timeout)
     chosen = resolve_backend(backend, nproc)
     capacity.check_nproc(nproc, stacklevel=3)  # cores and memory, before anything starts
-    run_dir = _new_run_dir(script_path.stem)
-    child_env = _child_env(env, run_dir, chosen)
+    run_dir = launch_env.new_log_dir(script_path.stem)
+    child_env = launch_env.child_env(env, run_dir, chosen)
     command = [
         # torchrun (`python -m torch.distributed.run`), entered through worker._run_agent
         sys.executable, "-m", "zero_lab.worker", "--agent",
-        *_rendezvous_options(run_dir),  # on a file: nothing listens
+        *launch_env.rendezvous_options(run_dir),  # on a file: nothing listens
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
         # torchrun's own folder (it would make one in the temp dir per launch and leave it)
@@ -201,7 +196,7 @@ def torchrun(
         )
     if proc.returncode != 0:
         error = failure(script_path, nproc, run_dir, proc.returncode)
-        full = _disk_note(run_dir)
+        full = launch_env.disk_note(run_dir)
         if full:
             error.args = (f"{error}\n{full}",)
         raise error
@@ -211,102 +206,6 @@ def torchrun(
     # keeps its folder, which its error names.
     shutil.rmtree(run_dir, ignore_errors=True)
     return LaunchResult(ranks, chosen, nproc, wall, stdout)
-
-
-# Variables torchrun reads as its own options (PET_NNODES is --nnodes) or its agent as its
-# state: a Kubeflow PyTorchJob pod sets them for a multi-node job, and a single-machine launch
-# that inherits them waits for nodes that never come.
-_INHERITED_PREFIXES = ("PET_", "TORCHELASTIC_")
-
-
-def _rendezvous_options(run_dir: Path) -> list[str]:
-    """torchrun's rendezvous on a file in the run folder, not on a TCP store.
-
-    `--standalone` starts a TCP store that listens on every interface, unauthenticated, for
-    the whole launch: anyone on the same Wi-Fi or server could read and write its keys, and
-    the agent unpickles the state it reads there. torch's TCPStore has no option to bind one
-    address, so the course's single-machine launches use the c10d rendezvous on a FileStore
-    in the run folder (mode 0700: this user's only). The agent's second TCP store, shared
-    with the ranks, is turned off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE in `_child_env`) and
-    the ranks meet on a FileStore of their own (worker.init_worker reads ENV_STORE).
-    """
-    return ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={run_dir / 'rendezvous'}",
-            "--rdzv-conf=store_type=file", f"--rdzv-id={run_dir.name}",
-            "--local-addr=127.0.0.1"]
-
-
-def loopback_interface() -> str:
-    """The loopback interface's name: 'lo' on Linux, 'lo0' on macOS."""
-    import socket
-
-    with contextlib.suppress(OSError, AttributeError):
-        for _, name in socket.if_nameindex():
-            if name.startswith("lo"):
-                return name
-    return "lo0" if sys.platform == "darwin" else "lo"
-
-
-def _new_run_dir(stem: str) -> Path:
-    """The launch's log folder in the temp dir; a full or unwritable one named, with the fix."""
-    try:
-        return Path(tempfile.mkdtemp(prefix=f"zero_lab-{stem}-"))
-    except OSError as exc:
-        raise OSError(exc.errno, (
-            f"cannot make the launch's log folder in {tempfile.gettempdir()}: "
-            f"{(exc.strerror or str(exc)).lower()}. Free space there, or point TMPDIR at a "
-            f"folder with space that you can write.")) from None
-
-
-def _child_env(env: dict[str, str] | None, run_dir: Path, backend: str) -> dict[str, str]:
-    """The environment of torchrun's agent and, through it, of every rank."""
-    child_env = dict(os.environ)
-    child_env.update(env or {})
-    inherited = sorted(k for k in child_env if k.startswith(_INHERITED_PREFIXES))
-    if inherited:
-        warnings.warn(f"a single-machine launch ignores the launcher variables it inherited: "
-                      f"{', '.join(inherited)} (set for a multi-node job)", stacklevel=3)
-        for key in inherited:
-            del child_env[key]
-    child_env.setdefault("OMP_NUM_THREADS", "1")  # 1 thread per rank: ranks share the cores
-    loopback = loopback_interface()
-    child_env.update(
-        {
-            ENV_RUN_DIR: str(run_dir),
-            ENV_BACKEND: backend,
-            ENV_LAUNCHER_PID: str(os.getpid()),
-            ENV_STORE: str(run_dir / "store"),  # the ranks' process-group store: a file
-            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1",  # no agent TCP store for the ranks
-            # gloo binds the address the hostname resolves to (often the Wi-Fi's), NCCL's
-            # bootstrap the first interface it likes: on one machine, the loopback for both.
-            "GLOO_SOCKET_IFNAME": loopback,
-            "NCCL_SOCKET_IFNAME": loopback,
-            "PYTHONUNBUFFERED": "1",  # so rank 0's lines reach the cell as they are printed
-            # Workers import zero_lab from wherever this process does (e.g. a notebook kernel
-            # started beside an uninstalled checkout).
-            "PYTHONPATH": os.pathsep.join(
-                p for p in (str(Path(__file__).resolve().parent.parent),
-                            child_env.get("PYTHONPATH", "")) if p
-            ),
-        }
-    )
-    return child_env
-
-
-def _free_bytes(path: Path) -> int:
-    return shutil.disk_usage(path).free
-
-
-def _disk_note(run_dir: Path) -> str:
-    """A line for a failed launch's error when its disk is (nearly) full: a rank that cannot
-    write fails with logs that say nothing of the disk."""
-    try:
-        free = _free_bytes(run_dir)
-    except OSError:
-        return ""
-    if free >= 16 * 2**20:
-        return ""
-    return (f"The disk of {run_dir.parent} has {free // 1024:,} KiB free: it is (nearly) full, "
-            f"the likely cause. Free space there, or point TMPDIR at a folder with space.")
 
 
 def _wait_streaming(proc: subprocess.Popen, run_dir: Path, timeout: float, stream: bool) -> bool:

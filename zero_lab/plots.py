@@ -6,6 +6,8 @@ named by $ZERO_LAB_FIGURES_DIR) and `make figures` copies it into the committed 
 
 from __future__ import annotations
 
+import contextlib
+import os
 from pathlib import Path
 
 from zero_lab.formatting import readable_number
@@ -13,11 +15,27 @@ from zero_lab.paths import figures_dir
 
 
 def save_figure(fig, name: str) -> Path:
-    """Save `fig` as <figures_dir>/<name>.png (150 dpi, tight) and return the path."""
+    """Save `fig` as <figures_dir>/<name>.png (150 dpi, tight) and return the path.
+
+    Written whole or not at all: to a temporary name beside it (this process's), renamed
+    over the figure's name once complete; a write that fails (a full disk) removes it and
+    says which figure, where, and what to do."""
     if not name or "/" in name or name.endswith(".png"):
         raise ValueError(f"name must be a bare file stem like 'memory_per_stage', got {name!r}")
     path = figures_dir() / f"{name}.png"
-    fig.savefig(path, dpi=150, bbox_inches="tight")
+    partial = path.with_name(f".{name}.partial-{os.getpid()}.png")
+    try:
+        fig.savefig(partial, dpi=150, bbox_inches="tight")
+        os.replace(partial, path)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise OSError(err.errno, f"{err.strerror}: saving figure {name!r}; free space, or set "
+                                 "ZERO_LAB_FIGURES_DIR to a writable folder", str(path)) from err
+    except BaseException:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        raise
     return path
 
 
