@@ -87,7 +87,7 @@ soak: setup ## run notebooks RUNS times under nbval beside LOAD busy processes (
 student: setup ## write student copies (solutions replaced by stubs) to build/student/
 	$(PY) -m zero_lab.grading student --out build/student
 
-bench: setup ## benchmark DDP, ZeroRedundancyOptimizer and zero_lab stages into runs/bench/
+bench: setup ## benchmark DDP, ZeroRedundancyOptimizer and zero_lab stages into a folder of its own under runs/bench/
 	$(PY) -m zero_lab.bench
 
 clean: ## remove executed notebooks, run outputs, student copies and caches (keeps .venv)

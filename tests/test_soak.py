@@ -20,7 +20,7 @@ def _notebook(path, *cells):
 
 def test_soak_counts_passes_names_the_failing_cell_and_leaves_no_load(tmp_path, monkeypatch,
                                                                         capsys):
-    monkeypatch.setattr(soak, "SOAK", tmp_path / "soak")
+    monkeypatch.setenv("ZERO_LAB_RUNS_DIR", str(tmp_path))  # new_run_dir's root
     # A sleeping stand-in for the spinning load: what is held here is the bookkeeping (started
     # before each run, alive through it, gone after); a real spinner would take a core from the
     # rest of `make test` (pytest beside nbval on two cores) for the whole test.
@@ -51,7 +51,9 @@ def test_soak_counts_passes_names_the_failing_cell_and_leaves_no_load(tmp_path, 
     assert "cell 2: NameError: name 'y' is not defined" in out
     assert seen_load == [1, 1]                           # the load ran beside every run ...
     assert all(p.poll() is not None for p in spinners)  # ... and is gone after the soak
-    summary = json.loads((tmp_path / "soak" / "summary.json").read_text())
+    (folder,) = (tmp_path / "soak").iterdir()  # the soak's own folder, named in its output
+    assert str(folder / "summary.json") in out
+    summary = json.loads((folder / "summary.json").read_text())
     assert [(n["notebook"], n["passed"], n["runs"]) for n in summary["notebooks"]] == \
         [("bad.ipynb", 0, 1), ("good.ipynb", 1, 1)]
 

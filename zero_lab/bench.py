@@ -12,8 +12,9 @@ one's, as the slowest rank saw it; the last also waits for what it left in fligh
 (`zero_lab.step_clock`: a barrier before every step, as here until stop 31, hid the
 overlapped stages' all-gathers in it).
 
-Written to `runs/bench/` (or --out): `bench.json` (everything), `bench.md` (a table),
-`bench.png` (a figure) and, with --profile, `profile_<system>.txt` (torch.profiler tables).
+Written to a folder of its own under `runs/bench/` (or --out): `bench.json` (everything),
+`bench.md` (a table), `bench.png` (a figure) and, with --profile, `profile_<system>.txt`
+(torch.profiler tables).
 
 Per system: the median step time of each round, the best of them, per-rank bytes held in
 parameters, gradients and optimizer states after backward (storages counted once; DDP's
@@ -60,9 +61,8 @@ from pathlib import Path
 
 from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, SYSTEMS, BenchConfig
 from zero_lab.formatting import spread
-from zero_lab.paths import BENCH, WORKERS
+from zero_lab.paths import WORKERS, new_run_dir
 
-DEFAULT_OUT = BENCH
 # glibc malloc: serve every size from the heap and never trim it (see run(keep_freed_memory)).
 KEEP_FREED_MEMORY_ENV = {"MALLOC_MMAP_THRESHOLD_": str(2**40), "MALLOC_TRIM_THRESHOLD_": str(2**40)}
 WORKER = WORKERS / "bench_worker.py"
@@ -296,7 +296,7 @@ def run(
     config: BenchConfig | None = None,
     nproc: int = 2,
     backend: str = "gloo",
-    out: Path | str = DEFAULT_OUT,
+    out: Path | str | None = None,
     profile: bool = False,
     timeout: float = 1800.0,
     stream: bool = True,
@@ -327,7 +327,8 @@ def run(
     result = summarize(launch.ranks, config)
     result["wall_time_s"] = launch.wall_time
     result["env"] = env
-    paths = write_outputs(result, Path(out), launch.ranks[0].get("profiles"))
+    out = Path(out) if out is not None else new_run_dir("bench")  # two benches never share one
+    paths = write_outputs(result, out, launch.ranks[0].get("profiles"))
     result["paths"] = {k: str(v) for k, v in paths.items()}
     return result
 
@@ -372,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--systems", nargs="+", default=list(SYSTEMS), choices=list(SYSTEMS))
     parser.add_argument("--nproc", type=int, default=2)
     parser.add_argument("--backend", default="gloo", choices=["auto", "gloo", "nccl"])
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument("--out", type=Path, default=None,
+                        help="where to write (default: a new folder of its own under runs/bench/)")
     parser.add_argument("--profile", action="store_true",
                         help="also write a torch.profiler table per system")
     parser.add_argument("--strict", action="store_true", help="exit 1 if a target is missed")

@@ -39,7 +39,7 @@ PRECISION_TORCH = {
 }
 HSDP_TORCH = {"flat": "FSDP2 `fully_shard(m, mesh=1-D mesh)`",
               "hsdp": "FSDP2 `fully_shard(m, mesh=init_device_mesh(dev, (R, S), "
-                      "mesh_dim_names=(\"replicate\", \"shard\")))`; DeepSpeed MiCS / hpZ"}
+                      "mesh_dim_names=(\"replicate\", \"shard\")))`; DeepSpeed MiCS"}
 
 
 def spread_ms(seconds: list[float]) -> str:

@@ -16,7 +16,6 @@ FIGURES = REPO_ROOT / "figures"  # committed; `make figures` copies RUN_FIGURES 
 RUNS = REPO_ROOT / "runs"  # everything a run writes (git-ignored)
 RUN_FIGURES = RUNS / "figures"
 EXECUTED = RUNS / "executed"  # notebooks executed by `make run`
-BENCH = RUNS / "bench"
 STUDENT = REPO_ROOT / "build" / "student"  # `make student`
 
 

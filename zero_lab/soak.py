@@ -10,7 +10,7 @@ times under `pytest --nbval-lax` (what `make test` runs) while `--load` processe
 CPU beside it, and the pass count per notebook is printed, with the cell and the error of
 every failure. Nothing is retried and nothing is skipped: a 49/50 is a defect to fix.
 
-The summary also lands in runs/soak/summary.json.
+The summary also lands in runs/soak/<this soak's own folder>/summary.json.
 """
 
 from __future__ import annotations
@@ -27,9 +27,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from zero_lab.course import course_notebooks
-from zero_lab.paths import REPO_ROOT, RUNS
+from zero_lab.paths import REPO_ROOT, new_run_dir
 
-SOAK = RUNS / "soak"
 # The load: a process that does nothing but keep one core busy, as a CPU-bound program does.
 SPIN = "while True: pass"
 
@@ -131,11 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     print(f"soaking {len(notebooks)} notebook(s), {opts.runs} run(s) each, "
           f"{opts.load} busy process(es) beside them", flush=True)
     results = soak(notebooks, opts.runs, opts.load)
-    SOAK.mkdir(parents=True, exist_ok=True)
-    (SOAK / "summary.json").write_text(json.dumps(
+    summary = new_run_dir("soak") / "summary.json"  # this soak's own: two never share one
+    summary.write_text(json.dumps(
         {"runs": opts.runs, "load": opts.load, "notebooks": [asdict(r) for r in results]},
         indent=1))
-    print("\nsummary (load " + str(opts.load) + "):")
+    print(f"\nsummary (load {opts.load}; also in {summary}):")
     for r in results:
         print("  " + r.line())
     return 0 if all(r.passed == r.runs for r in results) else 1
