@@ -13,12 +13,16 @@ from zero_lab import capacity, paths
 MiB = capacity.MiB
 
 
-def test_more_ranks_than_cores_warn_and_far_more_are_refused():
+def test_more_ranks_than_cores_warn_once_and_far_more_are_refused(monkeypatch):
+    monkeypatch.setattr(capacity, "_warned", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         capacity.check_nproc(2, cores=2, memory=None)  # silent at the cores
-    with pytest.warns(capacity.CapacityWarning, match="nproc=3 ranks on 2 cores"):
+    with pytest.warns(capacity.CapacityWarning, match="nproc=3 ranks on 2 cores take turns"):
         capacity.check_nproc(3, cores=2, memory=None)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        capacity.check_nproc(3, cores=2, memory=None)  # said once a process is enough
     with pytest.warns(capacity.CapacityWarning):
         capacity.check_nproc(capacity.MAX_RANKS_PER_CORE * 2, cores=2, memory=None)  # the edge
     with pytest.raises(ValueError, match=r"nproc=9 ranks on 2 cores: refused.*nproc <= 8"):

@@ -25,10 +25,10 @@ measures and rejects a mutant, the mistake it is there to catch.
                                                                           reserve, 79.2 of 80 GiB,
                                                                           "checkpoint activations"
                                                                           when they are
-    4. resumed checkpoint             check_resumed_run                   a padding element leaked
+    +. resumed checkpoint             check_resumed_run                   a padding element leaked
                                                                           into a parameter, a
                                                                           parameter missing
-    4. consolidated checkpoint        check_consolidated                  a value changed
+    +. consolidated checkpoint        check_consolidated                  a value changed
 """
 
 from __future__ import annotations

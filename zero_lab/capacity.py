@@ -27,6 +27,9 @@ RANK_BASE_BYTES = 200 * MiB  # python + torch + a gloo group: ~150 MB measured, 
 MAX_RANKS_PER_CORE = 4
 
 
+_warned: set[tuple[int, int]] = set()  # (nproc, cores) this process has warned of
+
+
 class CapacityWarning(UserWarning):
     """More ranks than cores: they will take turns on the cores."""
 
@@ -92,7 +95,9 @@ def check_nproc(nproc: int, rank_bytes: int = RANK_BASE_BYTES, *, cores: int | N
             f"{memory / MiB:,.0f} MiB available: refused before the out-of-memory killer "
             f"ends the kernel (and, on a shared server, other users' work). Use "
             f"{what} <= {max(memory // rank_bytes, 1)}.")
-    if nproc > cores:
-        warnings.warn(f"{what}={nproc} ranks on {cores} core{'s' if cores != 1 else ''}: the "
-                      f"ranks take turns on the cores, so timings mean less",
-                      CapacityWarning, stacklevel=stacklevel)
+    if nproc > cores and (nproc, cores) not in _warned:
+        # once a process: a notebook that runs its 3-rank checks on a 2-core laptop on
+        # purpose would otherwise repeat it under every such cell
+        _warned.add((nproc, cores))
+        warnings.warn(f"{what}={nproc} ranks on {cores} core{'s' if cores != 1 else ''} take "
+                      f"turns: timings mean less", CapacityWarning, stacklevel=stacklevel)

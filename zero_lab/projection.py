@@ -18,6 +18,34 @@ measurement.
     recommend         the stage to use: fits with the reserve, fastest, ties broken toward
                       less communication, then more headroom
     hybrid_bytes_per_step  what HSDP sends per step, inside the groups and across them
+
+What a projected step is, and what it leaves out
+------------------------------------------------
+`project_step` adds to the compute only *exposed* communication: the time a step waits for
+its collectives with no compute to do. Hidden (overlapped) communication is not free: on
+shared CPU cores gloo's threads take cores from compute; on GPUs NCCL kernels take SMs and
+memory bandwidth, and a collective's time includes waiting for slow peers. So exposed time
+is a lower bound on what communication costs a step, and at ideal overlap (the default,
+`overlap = 1`) the projected step is a lower bound too. At ideal overlap stage 3's exposed
+communication is its first all-gather and its last reduce-scatter, priced at the link's
+peak; the model leaves out SM contention, per-unit launch and copy costs (flattening, copies
+into and out of the collectives' buffers), the lower bandwidth of small messages, and
+waiting for slow peers. A projected overhead of a fraction of a percent is therefore no
+evidence against a measured 10-20%: only a measurement on the cluster decides.
+
+The compute: `compute_time` counts 6Ψ FLOPs per token (2 forward, 4 backward) at the
+achieved FLOP/s it is given; notebook 07 gives it 40% MFU of an H100's 989 dense bf16
+TFLOP/s. A real step does more: attention adds 12·L·h·s FLOPs per token at sequence length
+s (L layers of width h), and full activation checkpointing repeats the forward, 8Ψ + 16·L·h·s
+in all. Notebook 07 prints the ratio for its decision table (1.4-1.7x at 4,096 tokens).
+
+How it was checked. On this machine, by construction: the collectives `project_step` prices
+per step, by kind, are the ones the stages' byte ledger counts, and its ring formula's bytes
+are the bytes they send (notebook 07, section 2; `grading/nb07_scaling.py` says how). Its
+times were compared on CPU only, against each stage's twin timed in the same launch, where
+the error is printed, not asserted. The published links and machines (`interconnect`) are
+priced from vendors' figures and have not been checked against a measured GPU step here:
+use them for direction and scale.
 """
 
 from __future__ import annotations

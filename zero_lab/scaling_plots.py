@@ -1,5 +1,10 @@
 """Figures of notebook 07: per-rank memory against N (measured and the formula, log axes),
-and the projected step time against N per stage and link or machine. Parent side."""
+activations against the model states per rank, and the projected step time against N per
+stage and link or machine. Parent side.
+
+Memory is drawn in MiB (2**20 bytes) unless a figure is given another unit; times in ms. The
+projected curves are lower bounds (exposed communication only, `zero_lab.projection`); the
+dots are steps measured on this machine."""
 
 from __future__ import annotations
 

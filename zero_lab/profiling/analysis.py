@@ -21,15 +21,22 @@ the training thread busy with communication and F every collective in flight (pl
 compute + optimizer + exposed + idle = the step window W. Each set is a union of intervals
 (intervals.py), so nested and overlapping events count once.
 
-On a CPU (gloo) trace both communication figures are upper bounds. A collective is "in
-flight" while gloo's threads work on it and, for the direct exchange's isend/irecv, from its
-posting to its wait (gloo does not report when the bytes arrived, so a message that landed
-early still counts until the wait). And only torch ops are compute: while the training thread
-runs Python between ops (hooks, the optimizer's loop, the autograd engine) with gloo work in
-flight, that time counts as exposed communication, though the thread was not waiting. So
-exposed communication is at most what communication held this rank's critical path, never
-less; notebook 06 measures how close (removing the communication and timing the step). On a
-GPU trace F comes from NCCL's kernels: their real time on the device.
+Exposed communication is the time the step waited for its collectives with no compute to
+do. It is a lower bound on what communication costs a step, not an upper bound: hidden
+(overlapped) communication is not free. On shared CPU cores gloo's threads that move the bytes
+take the cores the compute needs; on GPUs NCCL's kernels take SMs and memory bandwidth; and a
+collective's time includes waiting for a slower peer. So removing the communication can save
+more than the exposed time.
+
+On a CPU (gloo) trace the figures themselves can run high. A collective is "in flight" while
+gloo's threads work on it and, for the direct exchange's isend/irecv, from its posting to its
+wait (gloo does not report when the bytes arrived, so a message that landed early still counts
+until the wait). And only torch ops are compute: while the training thread runs Python between
+ops (hooks, the optimizer's loop, the autograd engine) with gloo work in flight, that time
+counts as exposed communication, though the thread was not waiting. Notebook 06 sets both
+effects against each other: the exposed time beside what removing the communication saves
+(`checks.check_exposed_matches_removal`). On a GPU trace F comes from NCCL's kernels: their
+real time on the device.
 """
 
 from __future__ import annotations
