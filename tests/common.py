@@ -3,7 +3,7 @@ the whole test session (each launch costs seconds before a rank runs anything).
 
 test_collectives.py, test_partition.py, test_stages.py, test_zero3.py, test_contract.py,
 test_contract_habits.py and test_stage3_reads.py read their parts of one launch per world size
-of tests/workers/world_cases.py (`case_reports`)."""
+of tests/workers/world_cases.py (`case_reports`). The launch tests share `alive(pid)`."""
 
 from __future__ import annotations
 
@@ -109,3 +109,12 @@ for name, tensor in checkpoint.iter_consolidated(directory, optimizer=True):
     del tensor
 print(json.dumps({"rise": peak() - before, "largest": largest, "total": total}))
 """
+
+
+def alive(pid: int) -> bool:
+    """Is `pid` running (a zombie, waiting to be reaped, counts as ended)? Linux: /proc."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"

@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import pytest
+from common import alive
 
 TESTS = Path(__file__).parent
 HANG = TESTS / "workers" / "launch_hang.py"
@@ -25,15 +26,6 @@ LAUNCHER = (
     "from zero_lab.launch import torchrun\n"
     "torchrun(sys.argv[1], nproc=2, args=[sys.argv[2]], timeout=300, stream=False)\n"
 )
-
-
-def _alive(pid: int) -> bool:
-    """Is `pid` running (a zombie, waiting to be reaped, counts as ended)?"""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
 
 
 def _command(pid: int) -> str:
@@ -70,13 +62,13 @@ def test_killing_the_launcher_ends_torchrun_and_every_rank(sig, tmp_path):
         launcher.send_signal(sig)
         launcher.wait(timeout=10)
         deadline = time.monotonic() + 5
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        left = {p: _command(p) for p in pids if _alive(p)}
+        left = {p: _command(p) for p in pids if alive(p)}
         assert left == {}, f"still running 5 s after the launcher got {sig.name}: {left}"
     finally:  # never leave a hang behind, even when the test fails
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
         if launcher.poll() is None:
             launcher.kill()

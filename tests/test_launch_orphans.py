@@ -10,6 +10,7 @@ import sys
 import time
 
 import pytest
+from common import alive
 
 from zero_lab.launch import LaunchTimeout, torchrun
 from zero_lab.paths import REPO_ROOT
@@ -17,15 +18,6 @@ from zero_lab.paths import REPO_ROOT
 WORKER = REPO_ROOT / "tests" / "workers" / "launch_orphan.py"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
                                 reason="the subreaper is Linux's (prctl)")
-
-
-def alive(pid: int) -> bool:
-    """Running (a zombie waiting to be reaped by init counts as gone)."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except FileNotFoundError:
-        return False
 
 
 def left_behind(pid_dir) -> list[int]:

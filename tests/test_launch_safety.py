@@ -23,6 +23,7 @@ import time
 from pathlib import Path
 
 import pytest
+from common import alive
 
 from zero_lab import capacity, launch, launch_env
 from zero_lab.launch import LaunchError, torchrun
@@ -65,14 +66,6 @@ LAUNCH_ORPHANS = (
 )
 
 
-def _alive(pid: int) -> bool:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    return stat.rsplit(")", 1)[1].split()[0] != "Z"
-
-
 @LINUX
 def test_a_killed_launcher_leaves_nothing_a_rank_started(tmp_path):
     """A kernel's hard restart SIGKILLs it: no `finally` runs in it, yet what the ranks
@@ -93,12 +86,12 @@ def test_a_killed_launcher_leaves_nothing_a_rank_started(tmp_path):
         kernel.kill()
         kernel.wait()
         deadline = time.monotonic() + 10
-        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+        while any(alive(p) for p in pids) and time.monotonic() < deadline:
             time.sleep(0.05)
-        assert [p for p in pids if _alive(p)] == []
+        assert [p for p in pids if alive(p)] == []
     finally:
         for pid in pids:
-            if _alive(pid):
+            if alive(pid):
                 os.kill(pid, signal.SIGKILL)
 
 
