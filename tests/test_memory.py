@@ -198,7 +198,8 @@ INT_OR_NONE = [0, 2.0, True, "2"]
 STAGE = [-1, 4, 1.0, True, "1", None]
 POSITIVE = [0, -1.0, NAN, INF, True, "80e9", None]  # byte budgets, safety factors
 FLAG = [0, 1, "False", None]
-RECIPE = {"precision": ["fp8", "FP32", 1, None], "optimizer": ["lamb", 1, None]}
+RECIPE = {"precision": ["fp8", "FP32", 1, None], "optimizer": ["lamb", 1, None],
+          "grad_bytes": [0, 3, 8, 2.0, 4.0, True, "4"]}  # None: the precision's own
 SHAPE = {"seq_len": COUNT, "batch": COUNT, "hidden": COUNT, "heads": COUNT}
 ATTENTION = ["flash", "Fused", True, None]
 LAYER = {"seq_len": 2048, "batch": 2, "hidden": 4096, "heads": 32}

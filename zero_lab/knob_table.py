@@ -19,7 +19,8 @@ ACCUMULATION_TORCH = {
     "stage 1": "`DDP.no_sync()` + `ZeroRedundancyOptimizer`; Megatron's distributed optimizer",
     "stage 2 sharded": "DeepSpeed ZeRO-2 (reduce-scatters every micro-batch)",
     "stage 2 unsharded": "FSDP2 `reshard_after_forward=False` (ZeRO-2-like) + "
-                         "`set_requires_gradient_sync(False)`",
+                         "`set_requires_gradient_sync(False)` + "
+                         "`set_reshard_after_backward(False)`",
     "stage 3 sharded, reshard": "DeepSpeed ZeRO-3",
     "stage 3 unsharded, reshard": "FSDP2 `fully_shard` + `set_requires_gradient_sync(False)`",
     "stage 3 sharded, keep": "FSDP2 `reshard_after_forward=False` + "

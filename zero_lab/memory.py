@@ -11,6 +11,11 @@ on the optimizer, and ZeRO stage s shards more of them across the N_d ranks:
     stage 2 (P_os+g)               p·Ψ + (g + K)·Ψ/N_d
     stage 3 (P_os+g+p)             (p + g + K)·Ψ/N_d
 
+The paper's mixed precision is p = 2, g = 2, K = 12 with Adam: 16 bytes. That is one
+accounting, not the only one: Megatron-LM, for example with bf16, accumulates and all-reduces
+gradients in an fp32 "main grad" buffer (g = 4), 2 + 4 + 12 = 18 bytes; `grad_bytes=4` says so
+here. Whatever g is, stages 2 and 3 divide it by N_d; stage 1 divides K only (fp32 master too).
+
 Every function returns exact integer bytes per rank; Ψ/N_d becomes the size of one rank's
 partition, ceil(Ψ/N_d) elements (optionally padded the way real implementations pad).
 Published numbers (the paper's Figure 1, Tables 1 and 2; DeepSpeed's estimators) live at
@@ -30,6 +35,10 @@ OPTIMIZERS = ("adam", "adamw", "sgd_momentum", "sgd")
 STAGES = (0, 1, 2, 3)
 CHECKPOINTING = ("none", "selective", "full")
 ATTENTION = ("unfused", "fused")  # attention written out (the paper's count), or a fused kernel
+# Gradient bytes per parameter a recipe keeps: `grad_bytes=None` means the working precision's
+# (4 in fp32, 2 in mixed precision, the ZeRO paper's count); 4 in mixed precision is an fp32
+# gradient buffer, such as Megatron-LM's main_grad (bf16 params + fp32 grads: 18 bytes/param).
+GRAD_BYTES = (2, 4)
 
 # fp32 optimizer state tensors each optimizer keeps per parameter (Adam: m and v).
 OPTIMIZER_STATES = {"adam": 2, "adamw": 2, "sgd_momentum": 1, "sgd": 0}
@@ -107,6 +116,16 @@ _DIMENSIONS = {"n_layers": "number of layers", "seq_len": "number of tokens",
                "batch": "number of sequences", "hidden": "hidden size", "heads": "number of heads"}
 
 
+def _grad_bytes(grad_bytes, precision: str) -> int:
+    """Gradient bytes per parameter: the working precision's if None, else 2 or 4 (not 4.0)."""
+    working = 4 if precision == "fp32" else 2
+    if grad_bytes is None:
+        return working
+    if precision == "fp32":  # fp32 training keeps fp32 gradients; 16-bit ones are no recipe
+        return _choice("grad_bytes", grad_bytes, (4,), f"None or 4 with precision {precision!r}")
+    return _choice("grad_bytes", grad_bytes, GRAD_BYTES, "None, 2 or 4")
+
+
 def _dims(**dims) -> tuple[int, ...]:
     """Transformer dimensions (L, s, b, h, a), in the order given, as positive whole counts."""
     return tuple(_whole_positive(name, value, _DIMENSIONS[name]) for name, value in dims.items())
@@ -115,26 +134,31 @@ def _dims(**dims) -> tuple[int, ...]:
 # ------------------------------------------------------------------- bytes per param
 
 
-def bytes_per_param(precision: str = "mixed", optimizer: str = "adam") -> dict[str, int]:
+def bytes_per_param(
+    precision: str = "mixed", optimizer: str = "adam", grad_bytes: int | None = None
+) -> dict[str, int]:
     """Bytes each parameter costs in model states, broken down.
 
     Returns {"params", "grads", "master", "optimizer_states", "optimizer", "total"} where
     "optimizer" = master + optimizer_states is the paper's K. "fp32" keeps everything in
     fp32 (4 + 4 + 8 = 16 with Adam, K = 8); "mixed" keeps 16-bit params and grads plus an
-    fp32 master copy and fp32 states (2 + 2 + 12 = 16 with Adam, K = 12).
+    fp32 master copy and fp32 states (2 + 2 + 12 = 16 with Adam, K = 12: the ZeRO paper's
+    accounting). `grad_bytes=4` with "mixed" keeps the gradients in fp32 instead, as
+    Megatron-LM's main_grad buffer does (2 + 4 + 12 = 18 with Adam; K is still 12).
     """
     _choice("precision", precision, PRECISIONS)
     _choice("optimizer", optimizer, OPTIMIZERS)
+    grads = _grad_bytes(grad_bytes, precision)
     working = 4 if precision == "fp32" else 2  # bf16/fp16 in mixed precision
     master = 0 if precision == "fp32" else 4  # fp32 copy the update is applied to
     states = 4 * OPTIMIZER_STATES[optimizer]  # states are fp32 in both recipes
     return {
         "params": working,
-        "grads": working,
+        "grads": grads,
         "master": master,
         "optimizer_states": states,
         "optimizer": master + states,
-        "total": 2 * working + master + states,
+        "total": working + grads + master + states,
     }
 
 
@@ -164,6 +188,7 @@ def model_state_bytes(
     precision: str = "mixed",
     optimizer: str = "adam",
     pad_to: int | None = None,
+    grad_bytes: int | None = None,
 ) -> dict[str, int]:
     """Per-rank bytes of parameters, gradients and optimizer states under ZeRO `stage`.
 
@@ -171,11 +196,14 @@ def model_state_bytes(
     partition, `partition_elements(...)`. With `pad_to=None` the replicated states hold
     exactly Ψ elements (the paper's arithmetic); with `pad_to` set they hold the whole
     padded flat buffer, N·partition elements, as a flat-buffer implementation does.
+    `grad_bytes` as in `bytes_per_param`: fp32 gradients (4) are sharded from stage 2 on,
+    like 16-bit ones; stage 1 shards the optimizer (fp32 master and states) only, which is
+    Megatron-LM's distributed optimizer: 6 + 12/N bytes/param with bf16 params, fp32 grads.
     """
     n = _whole_positive("n_params", n_params, "number of parameters")
     stage = _choice("stage", stage, STAGES)
     world = _world_size(world_size)
-    b = bytes_per_param(precision, optimizer)
+    b = bytes_per_param(precision, optimizer, grad_bytes)
     shard = partition_elements(n, world, pad_to)
     full = n if (pad_to is None or stage == 0) else shard * world
     owned = {  # elements of each state this rank holds
@@ -200,6 +228,7 @@ def largest_model(
     precision: str = "mixed",
     optimizer: str = "adam",
     pad_to: int | None = None,
+    grad_bytes: int | None = None,
 ) -> int:
     """The largest Ψ whose per-rank model states fit in `gpu_bytes` (0 if none does).
 
@@ -210,10 +239,11 @@ def largest_model(
     world = _world_size(world_size)
     stage = _choice("stage", stage, STAGES)
     pad_to = _positive_int("pad_to", pad_to, "elements", optional=True)
-    b = bytes_per_param(precision, optimizer)
+    b = bytes_per_param(precision, optimizer, grad_bytes)
 
     def fits(n: int) -> bool:
-        return model_state_bytes(n, stage, world, precision, optimizer, pad_to)["total"] <= budget
+        return model_state_bytes(n, stage, world, precision, optimizer, pad_to,
+                                 grad_bytes)["total"] <= budget
 
     # Upper bound from the paper's formula: bytes/param/rank >= replicated part + sharded/N.
     replicated = {0: b["total"], 1: b["params"] + b["grads"], 2: b["params"], 3: 0}[stage]
@@ -234,10 +264,12 @@ def state_breakdown_by_stage(
     precision: str = "mixed",
     optimizer: str = "adam",
     pad_to: int | None = None,
+    grad_bytes: int | None = None,
 ) -> dict[int, dict[str, int]]:
     """`model_state_bytes` for stages 0-3 at once: {stage: {"params", ...}}."""
     return {
-        s: model_state_bytes(n_params, s, world_size, precision, optimizer, pad_to) for s in STAGES
+        s: model_state_bytes(n_params, s, world_size, precision, optimizer, pad_to, grad_bytes)
+        for s in STAGES
     }
 
 
@@ -402,6 +434,7 @@ def offload_state_bytes(
     offload_params: bool = False,
     precision: str = "mixed",
     optimizer: str = "adam",
+    grad_bytes: int | None = None,
 ) -> dict[str, dict[str, int]]:
     """Per-rank GPU and CPU bytes of model states with ZeRO-Offload / ZeRO-Infinity.
 
@@ -423,9 +456,9 @@ def offload_state_bytes(
         raise ValueError("offload_optimizer needs stage 1, 2 or 3 (a partitioned optimizer)")
     if offload_params and not offload_optimizer:
         raise ValueError("offload_params=True also needs offload_optimizer=True")
-    gpu = model_state_bytes(n, stage, world, precision, optimizer)
+    gpu = model_state_bytes(n, stage, world, precision, optimizer, grad_bytes=grad_bytes)
     cpu = {"params": 0, "grads": 0, "optimizer": 0}
-    b = bytes_per_param(precision, optimizer)
+    b = bytes_per_param(precision, optimizer, grad_bytes)
     shard = partition_elements(n, world)
     if offload_optimizer:
         cpu["optimizer"], gpu["optimizer"] = gpu["optimizer"], 0
@@ -537,8 +570,9 @@ def deepspeed_gpu_gap(
     course + fp32 gradient partition (+ one gathered layer at stage 3) == DeepSpeed, up to
     DeepSpeed's int() rounding. Stage 2: DeepSpeed's 18/N carries a 4-byte fp32 copy of the
     gradient partition next to the 2-byte one (18 = 14 + 4). Stage 3: its 18/N counts the
-    gradient partition in fp32 only (4 bytes where the paper has 2) and adds 4 bytes per
-    parameter of the largest layer for the gathered fp16 weights and gradients.
+    gradient partition in fp32 only (4 bytes where the paper has 2), which is
+    `model_state_bytes(..., grad_bytes=4)`, and adds 4 bytes per parameter of the largest
+    layer for the gathered fp16 weights and gradients.
     """
     n = _whole_positive("n_params", n_params, "number of parameters")
     stage = _choice("stage", stage, (2, 3), "2 or 3 (DeepSpeed's estimators)")

@@ -10,7 +10,8 @@ without it and runs a quarter fewer FLOPs.
 
     per_rank_peak(...)          model states + activations + the stage's peak floor, bytes
     choose(gpu_bytes, ...)      per stage: "off" (fits without recompute, the cheaper),
-                                "on" (fits only with it), or None (fits neither way)
+                                "on" (fits only with it), or None (fits neither way);
+                                fitting keeps notebook 07's reserve free (`projection`)
     decisive_budgets(peaks)     from *measured* peaks: the budgets where stage 1 needs
                                 recompute and stage 3 does not, [low, high)
 """
@@ -43,15 +44,20 @@ def per_rank_peak(n_params: float, stage: int, world_size: int, n_layers: int, s
 
 
 def choose(gpu_bytes: float, n_params: float, world_size: int, n_layers: int, seq_len: int,
-           batch: int, hidden: int, heads: int, **kwargs) -> dict[int, str | None]:
+           batch: int, hidden: int, heads: int, *,
+           reserve_fraction: float = projection.RESERVE_FRACTION,
+           **kwargs) -> dict[int, str | None]:
     """{stage: "off" | "on" | None}: recompute off when the stage fits without it (fewer
-    FLOPs), on when it fits only with it, None when it fits neither way."""
+    FLOPs), on when it fits only with it, None when it fits neither way. A stage fits as in
+    `projection.recommend`: its peak (`per_rank_peak`, the floor included) leaves
+    reserve_fraction of the GPU free for the CUDA context, NCCL and fragmentation."""
+    budget = gpu_bytes * (1 - reserve_fraction)
     out: dict[int, str | None] = {}
     for stage in STAGES:
         peaks = {r: per_rank_peak(n_params, stage, world_size, n_layers, seq_len, batch,
                                   hidden, heads, r, **kwargs) for r in (False, True)}
-        out[stage] = "off" if peaks[False] <= gpu_bytes else (
-            "on" if peaks[True] <= gpu_bytes else None)
+        out[stage] = "off" if peaks[False] <= budget else (
+            "on" if peaks[True] <= budget else None)
     return out
 
 

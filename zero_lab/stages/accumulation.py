@@ -31,7 +31,9 @@ accumulation_messages`; Ψ the padded flat parameters in bytes, k micro-batches)
   "sharded" (the default, DeepSpeed ZeRO-2's behaviour, which refuses no_sync): every
   backward reduce-scatters its gradient into this rank's slice, even under no_sync, so the
   full gradient never outlives its bucket: (k + 1)Ψ per step, k times the gradient bytes;
-  "unsharded" (FSDP2's behaviour under set_requires_gradient_sync(False)): under no_sync the
+  "unsharded" (FSDP2's under set_requires_gradient_sync(False) with
+  set_reshard_after_backward(False); without the second, FSDP2 re-gathers the parameters every
+  micro-batch: (k + 1)Ψ): under no_sync the
   full gradient is kept (a flat buffer per bucket: stage 1's gradient memory while the
   micro-batches run) and reduce-scattered once, then freed: 2Ψ per step.
   Stage 2's memory saving costs k times the communication; that is why Megatron-LM's

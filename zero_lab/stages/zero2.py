@@ -29,7 +29,8 @@ Gradient accumulation under `model.no_sync()` (accumulation.py), `grad_accumulat
   slice to the last: the gradient saving holds, and k micro-batches send kΨ + Ψ.
 - "unsharded": a backward under no_sync keeps each bucket's full gradient (`_held`, Ψ in
   all: stage 1's gradient memory) and the next backward adds into it and reduce-scatters the
-  sum once, freeing it: 2Ψ per optimizer step (FSDP2's set_requires_gradient_sync(False)).
+  sum once, freeing it: 2Ψ per optimizer step (FSDP2's set_requires_gradient_sync(False)
+  with set_reshard_after_backward(False), which keeps its parameters gathered between them).
 
 The seed blog's "ZeRO-2" reached a higher peak than its ZeRO-1 because its reduce-scatter
 concatenated N copies of every gradient and its hooks returned None, which keeps the gradient
