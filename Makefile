@@ -58,7 +58,6 @@ NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*
 # in a folder of their own (tests/conftest.py), %%rank_script replaces a worker script whole,
 # and no two notebooks save the same one (tests/test_notebook_cells.py).
 # pytest exits 5 when it collects nothing; that is not a failure of the code under test.
-# --durations=20 lists pytest's slowest tests at the end: CI must stay under 12 minutes.
 NBVAL_LOG ?= runs/nbval.log
 ENSURE_CHROMIUM ?= sh tests/browser/ensure_chromium.sh
 test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
@@ -71,8 +70,8 @@ test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 	echo "$(PY) -m pytest --nbval-lax -p no:cacheprovider $$* $(BROWSER_TESTS) >$(NBVAL_LOG) (beside pytest)"; \
 	$(PY) -m pytest --nbval-lax -p no:cacheprovider "$$@" $(BROWSER_TESTS) >$(NBVAL_LOG) 2>&1 & nbval=$$!; \
 	trap 'kill $$nbval 2>/dev/null' INT TERM; \
-	echo "$(PY) -m pytest tests --ignore=$(BROWSER_TESTS) --durations=20"; \
-	$(PY) -m pytest tests --ignore=$(BROWSER_TESTS) --durations=20; tests=$$?; \
+	echo "$(PY) -m pytest tests --ignore=$(BROWSER_TESTS)"; \
+	$(PY) -m pytest tests --ignore=$(BROWSER_TESTS); tests=$$?; \
 	wait $$nbval; notebooks=$$?; \
 	echo "============= nbval and the browser test, run beside pytest ($(NBVAL_LOG)) ============="; \
 	cat $(NBVAL_LOG); \
