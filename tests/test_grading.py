@@ -3,6 +3,7 @@ the student-copy generator stubs every solution and clears every output."""
 
 from __future__ import annotations
 
+import ast
 import json
 import re
 import subprocess
@@ -97,15 +98,51 @@ def test_same_tensors_compare_ints_and_floats_by_value_but_not_bools():
     assert grading.same(torch.tensor([True, False]), torch.tensor([True, False]))
 
 
-def test_run_cases_pass_line(capsys):
-    grading.run_cases("check_double", lambda x: 2 * x, [Case(args=(2,), expected=4)] * 3)
-    assert capsys.readouterr().out == "✓ check_double: 3/3 hidden cases pass\n"
+def test_run_cases_pass_lines_say_what_passed_and_what_the_learner_showed(capsys):
+    grading.run_cases("check_double", lambda x: 2 * x, [Case(args=(2,), expected=4)] * 3,
+                      shows="you can double a number")
+    assert capsys.readouterr().out == ("✓ check_double: 3/3 hidden cases pass\n"
+                                       "  You showed: you can double a number\n")
+
+
+def _shows_arguments() -> list[tuple[str, int, object]]:
+    """(module, line, the `shows` argument's AST node or None) of every run_cases/passed call
+    in zero_lab/grading: the line a passing check prints under its pass line."""
+    found = []
+    for path in sorted((REPO / "zero_lab" / "grading").glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and getattr(node.func, "id", "") in {"run_cases",
+                                                                              "passed"}:
+                if path.name == "framework.py":
+                    continue  # the definitions' own forwarding call
+                arg = {k.arg: k.value for k in node.keywords}.get("shows")
+                if arg is None and getattr(node.func, "id", "") == "passed" and len(node.args) > 2:
+                    arg = node.args[2]
+                found.append((path.name, node.lineno, arg))
+    return found
+
+
+def test_every_check_says_what_the_learner_showed_in_one_short_line():
+    from zero_lab.grading.framework import SHOWED
+
+    calls = _shows_arguments()
+    assert len(calls) >= 15, calls  # every notebook's checks, 01 to 08
+    for module, line, arg in calls:
+        where = f"{module}:{line}"
+        assert arg is not None, f"{where}: a passing check must say what the learner showed"
+        assert isinstance(arg, ast.Constant) and isinstance(arg.value, str), (
+            f"{where}: `shows` must be a string literal (this test reads it)")
+        text = arg.value
+        assert text.startswith("you "), f"{where}: say what the learner can now do: {text!r}"
+        assert not re.search(r"\d+/\d+|\bpass", text), f"{where}: not a count of cases: {text!r}"
+        assert len(SHOWED + text) <= 110, f"{where}: {len(SHOWED + text)} characters"
 
 
 def test_failure_names_case_expected_got_and_hint():
     with pytest.raises(ExerciseFailed) as info:
         grading.run_cases("check_double", lambda x: x + 2,
-                          [Case(args=(2,), expected=4), Case(args=(5,), expected=10, hint="x2")])
+                          [Case(args=(2,), expected=4), Case(args=(5,), expected=10, hint="x2")],
+                          shows="you x")
     text = str(info.value)
     assert "case 2/2 (5)" in text and "expected: 10" in text and "got:      7" in text
     assert "hint: x2" in text
@@ -115,10 +152,11 @@ def test_failure_names_case_expected_got_and_hint():
 def test_a_float_failure_shows_how_far_off_it_is():
     # 1.5309961083596662 vs 1.5309961082825843 look alike; the difference says they are not.
     with pytest.raises(ExerciseFailed) as info:
-        grading.run_cases("check_x", lambda x: x * (1 + 4e-6), [Case(args=(1.5,), expected=1.5)])
+        grading.run_cases("check_x", lambda x: x * (1 + 4e-6), [Case(args=(1.5,), expected=1.5)],
+                          shows="you x")
     assert "difference: 6e-06 (relative 4e-06)" in str(info.value)
     with pytest.raises(ExerciseFailed) as info:  # ints compare exactly: nothing to add
-        grading.run_cases("check_x", lambda x: x + 1, [Case(args=(1,), expected=1)])
+        grading.run_cases("check_x", lambda x: x + 1, [Case(args=(1,), expected=1)], shows="you x")
     assert "difference" not in str(info.value)
 
 
@@ -135,7 +173,7 @@ def test_largest_difference_of_numbers_and_lists():
 def test_known_mistake_gets_its_own_explanation():
     with pytest.raises(ExerciseFailed, match="you added"):
         grading.run_cases("check_double", lambda x: x + x + 1, [Case(args=(3,), expected=6)],
-                          wrong_answers=[(lambda x: 2 * x + 1, "you added one")])
+                          wrong_answers=[(lambda x: 2 * x + 1, "you added one")], shows="you x")
 
 
 def test_learner_exception_is_reported_in_one_line():
@@ -143,9 +181,9 @@ def test_learner_exception_is_reported_in_one_line():
         return {}[x]
 
     with pytest.raises(ExerciseFailed, match=r"case 1/1 \('k'\) raised KeyError: 'k'"):
-        grading.run_cases("check_x", broken, [Case(args=("k",), expected=1)])
+        grading.run_cases("check_x", broken, [Case(args=("k",), expected=1)], shows="you x")
     with pytest.raises(ExerciseFailed, match="expected a function, got int"):
-        grading.run_cases("check_x", 3, [Case(args=(), expected=1)])
+        grading.run_cases("check_x", 3, [Case(args=(), expected=1)], shows="you x")
 
 
 def test_ipython_shows_the_message_not_a_traceback(capsys):
@@ -239,7 +277,8 @@ def assert_check_grades(check: str, source: str, fn_name: str, wrong: list, caps
     rejects each (mistake, words of its explanation) in `wrong` with that explanation."""
     check_fn = getattr(grading, check)
     check_fn(_define(source, fn_name))  # the notebook's own reference solution
-    assert capsys.readouterr().out.startswith(f"✓ {check}:")
+    out = capsys.readouterr().out
+    assert out.startswith(f"✓ {check}:") and "\n  You showed: you " in out, out
 
     stub = _define(grading.stub_solutions(source), fn_name)
     with pytest.raises(ExerciseFailed, match="not implemented yet"):

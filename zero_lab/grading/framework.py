@@ -1,8 +1,12 @@
 """The grading framework: hidden cases, the comparison, and the learner-facing failure.
 
-A check either prints one short line ("check_<name>: 6/6 hidden cases pass") or raises
-`ExerciseFailed`, whose message names the failing case, the expected and the received value,
-and a hint. In Jupyter the failure shows as that message alone, never as a traceback.
+A check either prints two short lines, what passed and what the learner just showed
+
+    ✓ check_<name>: 6/6 hidden cases pass
+      You showed: you can price each collective in bytes one rank sends on a ring
+
+or raises `ExerciseFailed`, whose message names the failing case, the expected and the received
+value, and a hint. In Jupyter the failure shows as that message alone, never as a traceback.
 
 How to write a check (for course authors; put it in the module of its notebook)
 -------------------------------------------------------------------------------
@@ -12,7 +16,7 @@ How to write a check (for course authors; put it in the module of its notebook)
             Case(args=([[1.0], [2.0]],), expected=[[3.0], [3.0]],
                  hint="every rank must end with the sum of all ranks' inputs"),
             ...
-        ])
+        ], shows="you can sum N ranks' tensors by passing chunks around a ring")
 
 - `Case(args, kwargs, expected, hint, label)`: `expected` is computed by the reference
   implementation (import it from the package; never paste numbers), `hint` says what a
@@ -22,7 +26,10 @@ How to write a check (for course authors; put it in the module of its notebook)
   tensors); pass
   `compare=` for anything else, or `wrong_answers=` to recognise known mistakes by value.
 - A check that needs more than input -> output (e.g. run the learner's code on several
-  ranks, `remote.py`) builds its own logic and ends with `passed(name, detail)` or `fail(...)`.
+  ranks, `remote.py`) builds its own logic and ends with `passed(name, detail, shows)` or
+  `fail(...)`.
+- `shows` is one line (a string literal: tests/test_grading.py reads them all) saying what the
+  learner can now do that they could not before, not how many cases passed.
 - Export it from `zero_lab/grading/__init__.py`. Tests call every `check_*` with the
   reference (must pass), a stub that raises NotImplementedError (must fail) and at least one
   plausible wrong answer.
@@ -160,9 +167,12 @@ def fail(name: str, message: str, hint: str = "") -> None:
     raise ExerciseFailed(text) from None
 
 
-def passed(name: str, detail: str) -> None:
-    """Print the one-line success message every check ends with."""
-    print(f"✓ {name}: {detail}")
+SHOWED = "  You showed: "  # the second line's start, under the check's name
+
+
+def passed(name: str, detail: str, shows: str) -> None:
+    """Print what every passing check ends with: what passed, then what the learner showed."""
+    print(f"✓ {name}: {detail}\n{SHOWED}{shows}")
 
 
 def run_cases(
@@ -171,9 +181,12 @@ def run_cases(
     cases: Sequence[Case],
     compare: Callable[[Any, Any], bool] = same,
     wrong_answers: Sequence[tuple[Callable[..., Any], str]] = (),
+    *,
+    shows: str,
 ) -> None:
     """Run `fn` on every hidden case; print a pass line or raise ExerciseFailed on the first miss.
 
+    `shows` is the line printed under the pass line: what the learner just showed.
     `wrong_answers` lists (mistaken_function, explanation) pairs: when the learner's value
     equals what a known mistake would return on that case, its explanation replaces the
     case's hint (all of them, if several mistakes give the same value).
@@ -203,4 +216,4 @@ def run_cases(
             gap = describe_difference(case.expected, got)
             detail += f"\n  difference: {gap}" if gap else ""
         fail(name, detail, diagnosis)
-    passed(name, f"{len(cases)}/{len(cases)} hidden cases pass")
+    passed(name, f"{len(cases)}/{len(cases)} hidden cases pass", shows)

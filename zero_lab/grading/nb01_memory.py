@@ -60,6 +60,7 @@ def check_bytes_per_param(fn: Callable) -> None:
                 "working params and grads are 16-bit",
             ),
         ],
+        shows="you can turn a precision recipe into the bytes each parameter costs",
     )
 
 
@@ -118,6 +119,7 @@ def check_per_rank_bytes(fn: Callable) -> None:
             (master_counted_twice, "K already includes the fp32 master copy (12 = 4 master "
                                    "+ 4 m + 4 v for Adam); do not add it again"),
         ],
+        shows="you can say what each stage divides by N and what it leaves whole on every rank",
     )
 
 
@@ -164,4 +166,5 @@ def check_largest_model(fn: Callable) -> None:
             (everything_sharded, "only stage 3 divides all of (2 + 2 + K)·Ψ by N_d; stages "
                                  "1 and 2 keep a full copy of the params (and grads)"),
         ],
+        shows="you can turn the formula around: the largest model a GPU holds at each stage",
     )

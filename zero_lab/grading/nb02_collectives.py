@@ -72,8 +72,9 @@ def judge_ring_reduce_scatter(name: str, reports: list[dict]) -> None:
                            f"bytes; the ring sends exactly (N-1)/N of the input = "
                            f"{case['expected_sent_bytes']} bytes",
                      "send one chunk (input.numel() / N elements) per step, N - 1 steps")
-    passed(name, f"{len(cases)}/{len(cases)} cases pass on {nproc} ranks: same as "
-                 "dist.reduce_scatter_single, isend/irecv only, (N-1)/N of the input sent")
+    passed(name, f"{len(cases)}/{len(cases)} cases pass on {nproc} ranks: dist's result, "
+                 "isend/irecv only, (N-1)/N of it sent",
+           "you can build a reduce-scatter from sends alone: N-1 steps of 1/N of the input")
 
 
 def check_ring_bytes_sent(fn: Callable) -> None:
@@ -120,4 +121,5 @@ def check_ring_bytes_sent(fn: Callable) -> None:
              "broadcast cannot split the work: the root must send all nbytes itself "
              "(nccl-tests' bus factor 1)"),
         ],
+        shows="you can price each collective in the bytes one rank sends on a ring",
     )

@@ -82,7 +82,8 @@ def judge_owned_range(name: str, reports: list[dict]) -> None:
         else:
             hint = "rank r's slice starts at r·S: the slices are contiguous and in rank order"
         fail(name, detail, hint)
-    passed(name, f"{len(report['cases'])}/{len(report['cases'])} buffer sizes pass on {n} ranks")
+    passed(name, f"{len(report['cases'])}/{len(report['cases'])} buffer sizes pass on {n} ranks",
+           "you can pad a flat buffer and split it into the equal slices the ranks own")
 
 
 def check_sharded_step(fn: Callable) -> None:
@@ -157,4 +158,5 @@ def judge_sharded_step(name: str, reports: list[dict]) -> None:
                        f"elements; expected {record['shard']} (this rank's slice)",
                  "step only shard_param")
     cases = len(reports[0]["results"])
-    passed(name, f"{cases}/{cases} cases pass on {n} ranks: same values as one process, 2Ψ sent")
+    passed(name, f"{cases}/{cases} cases pass on {n} ranks: same values as one process, 2Ψ sent",
+           "you wrote stage 1: reduce-scatter, step your slice, all-gather, the bytes of DDP")

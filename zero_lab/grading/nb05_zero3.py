@@ -105,7 +105,8 @@ def judge_materialize_release(name: str, reports: list[dict]) -> None:
                            "gradients", "materialize must refill the same storage each time")
     cases = len(reports[0]["results"])
     passed(name, f"{cases}/{cases} units pass on {n} ranks: one all-gather each, storage freed "
-                 "in place, backward sees the parameters again")
+                 "in place",
+           "you wrote stage 3's gather, use and free: one unit is whole at a time")
 
 
 def check_post_backward(fn: Callable) -> None:
@@ -172,5 +173,6 @@ def judge_post_backward(name: str, reports: list[dict]) -> None:
                          "once reduce-scattered, the full gradient is not needed: "
                          "unit.full_grad = None frees it")
     cases = len(reports[0]["results"])
-    passed(name, f"{cases}/{cases} units x 2 backward calls pass on {n} ranks: averaged slice "
-                 "accumulated, one reduce-scatter (Ψ), full parameters and gradient freed")
+    passed(name, f"{cases}/{cases} units x 2 backward calls pass on {n} ranks: slice averaged "
+                 "and added, unit freed",
+           "you finished stage 3: each unit's gradient is reduce-scattered and freed in backward")

@@ -106,7 +106,7 @@ def check_exposed_communication(fn: Callable) -> None:
                     "beside it (that part is hidden, not exposed)"),
         (_step_minus_compute, "that is everything that is not compute, idle time included; "
                               "exposed time must have communication in flight"),
-    ])
+    ], shows="you can read from a trace how long communication held the step up")
 
 
 # ----------------------------------------------------------------------------- exercise 2
@@ -203,4 +203,4 @@ def check_most_exposed_unit(fn: Callable) -> None:
                              "compute in between hid part of it. Count only the marks"),
         (_any_collective, "count the all-gathers only: a unit's reduce-scatter is another "
                           "collective"),
-    ])
+    ], shows="you can find in a trace the unit whose gathers cost the step the most")

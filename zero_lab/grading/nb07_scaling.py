@@ -190,7 +190,7 @@ def check_stage_choice(fn: Callable) -> None:
                   (_ignores_time, "that choice fits but its projected step is over the bound"),
                   (_stage0_reflex, "stage 0 replicates everything: at these sizes the "
                                    "model states alone do not fit"),
-              ])
+              ], shows="you can pick the stage and world size that fit both memory and time")
 
 
 # ------------------------------------------------------------------ the notebook's claims

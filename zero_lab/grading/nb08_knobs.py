@@ -130,7 +130,7 @@ def check_accumulation_bytes(fn: Callable) -> None:
         (_stage1_all_gathers_every_micro_batch,
          "the parameters change only at the optimizer step: stages 1-2 all-gather the updated "
          "slices once per optimizer step"),
-    ])
+    ], shows="you can price accumulation at each stage: what no_sync saves and what it costs")
 
 
 # ------------------------------------------------------------------ exercise 2: HSDP
@@ -220,4 +220,4 @@ def check_hsdp_bytes(fn: Callable) -> None:
         (_flat_stage3,
          "that is flat stage 3 on all N ranks; HSDP shards inside a group of S and all-reduces "
          "the slices across the R groups"),
-    ])
+    ], shows="you can split HSDP's traffic into what stays in a group and what crosses groups")
