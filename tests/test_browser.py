@@ -115,6 +115,7 @@ def test_notebook01_runs_clean_and_the_calculator_answers_its_sliders(page, serv
     lab.run_all(page, timeout_s=120)
     assert lab.error_outputs(page) == []
     assert _not_run(page) == []
+    assert lab.wide_lines(page) == []
 
     calculator.wait_chart_loaded(page)
     chart, widget = page.locator(calculator.CHART), page.locator(
@@ -176,6 +177,7 @@ def test_notebook00_streams_rank0_output_while_the_cell_runs(page, server):
     # The course's rule for launch cells (STYLE.md): rank-prefixed lines, no warnings.
     assert lab.stderr_noise(page) == []
     assert _not_run(page) == []
+    assert lab.wide_lines(page) == []
 
 
 def test_student_copy_shows_the_graders_message_not_a_traceback(page, server):

@@ -10,6 +10,7 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import nbformat
@@ -39,7 +40,8 @@ def course_dirs(tmp_path, monkeypatch):
 
 
 def test_runs_in_order_with_parameters(course_dirs, capfd):
-    _notebook(course_dirs / "notebooks" / "01_b.ipynb", "assert nproc == 3, nproc")
+    _notebook(course_dirs / "notebooks" / "01_b.ipynb", "assert nproc == 3, nproc",
+              "print('-' * 111)")
     _notebook(course_dirs / "notebooks" / "00_a.ipynb", "print(backend)",
               "import os; print(os.environ['ZERO_LAB_FIGURES_DIR'])",
               "print(os.environ['ZERO_LAB_RUNS_DIR'])")
@@ -59,11 +61,44 @@ def test_runs_in_order_with_parameters(course_dirs, capfd):
     assert "WARNING" not in err and "encryption" not in err, err
     # The end of the run: the total time and where its results are.
     lines = out.splitlines()
+    assert "  1 printed lines over 110 characters, the first: -----" in out  # 01_b's
     assert re.fullmatch(r"2 notebooks executed in \d+(\.\d)? s", lines[-4]), out
     assert lines[-3] == f"run folder: {run_dir}"
     assert lines[-2] == f"executed notebooks: {executed}"
     assert lines[-1] == (f"figures: {run_dir / 'figures'} "
                          "(`make figures` copies them into committed_figures/)")
+
+
+def test_wide_lines_are_what_a_learner_sees_as_text():
+    out = [{"output_type": "stream", "name": "stdout", "text": "a" * 60},
+           {"output_type": "stream", "name": "stdout", "text": "b" * 51 + "\nshort\n"},
+           {"output_type": "stream", "name": "stderr", "text": "w" * 200},  # a warning
+           {"output_type": "stream", "name": "stdout", "text": "x" * 200 + "\rdone\n"},
+           {"output_type": "execute_result", "data": {"text/plain": "r" * 111}},
+           {"output_type": "display_data",
+            "data": {"text/plain": "<Figure " + "f" * 200, "image/png": "..."}}]
+    assert course.wide_lines(out) == ["r" * 111, "a" * 60 + "b" * 51]
+    assert course.wide_lines(out, width=111) == []
+
+
+def test_nbval_fails_a_cell_that_prints_a_line_over_the_width(tmp_path):
+    """The root conftest.py's hook, loaded as nbval meets the course's notebooks: a 111-
+    character line fails its cell and names it; the 110-character line beside it passes."""
+    nb = tmp_path / "wide.ipynb"
+    nb.write_text(json.dumps({"cells": [
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+         "source": "print('=' * 110)"},
+        {"cell_type": "code", "metadata": {}, "outputs": [], "execution_count": None,
+         "source": "print('#' * 111)"}],
+        "metadata": {"kernelspec": {"name": "python3", "display_name": "Python 3",
+                                    "language": "python"}},
+        "nbformat": 4, "nbformat_minor": 5}))
+    done = subprocess.run(
+        [sys.executable, "-m", "pytest", "--nbval-lax", "-p", "conftest", "-p",
+         "no:cacheprovider", "-q", str(nb)], cwd=tmp_path, capture_output=True, text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)}, timeout=120)
+    assert "1 failed, 1 passed" in done.stdout, done.stdout[-2000:]
+    assert "1 printed lines over 110 characters" in done.stdout and "#" * 111 in done.stdout
 
 
 def test_two_runs_never_share_a_folder(course_dirs):

@@ -1,7 +1,7 @@
 """zero_lab.stages: shard() for stages 0-2 checked against one process on the global batch.
 
 Every multi-rank number comes from tests/workers/stage_cases.py, run in one launch per world
-size N = 1, 2, 3, 4 that it shares with the other case workers (tests/common.py); it trains 23
+size N = 1, 2, 3 that it shares with the other case workers (tests/common.py); it trains 23
 configurations for 10 steps each: stages 0, 1, 2, stage 1's all-reduce variant and the
 standalone ZeroRedundancyOptimizer; odd-sized MLPs with and without biases, a nested model
 (LayerNorm, a 0-d parameter, a frozen layer, a layer used twice), a small GPT with a tied head;

@@ -1,7 +1,7 @@
 """Stage 3 (zero_lab/stages/zero3.py) against one process, with its memory and its traffic.
 
 Every multi-rank number comes from tests/workers/zero3_cases.py, run in one launch per world
-size N = 1, 2, 3, 4 (tests/workers/world_cases.py, shared with the other case workers); it
+size N = 1, 2, 3 (tests/workers/world_cases.py, shared with the other case workers); it
 trains 12 configurations for 10 steps each on the models of the stages 0-2 tests (odd-sized
 MLPs, a nested model with a frozen layer, a layer used twice and a 0-d parameter, a small GPT
 with a tied head) and blocks under activation checkpointing, with Adam, AdamW and SGD with

@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import errno
+import json
 import os
 import shutil
 import sys
@@ -131,6 +132,32 @@ def environment(**values: str):
                 os.environ[key] = value
 
 
+# The widest printed line a notebook may show: it fits a laptop's JupyterLab beside the file
+# browser without wrapping. nbval holds every notebook to it (conftest.py at the repository
+# root), the browser test notebooks 00 and 01, and `make run` names the lines over it.
+PRINT_WIDTH = 110
+RICH = ("text/html", "image/png", "image/svg+xml", "application/vnd.jupyter.widget-view+json")
+
+
+def wide_lines(outputs: list[dict], width: int = PRINT_WIDTH) -> list[str]:
+    """The lines of a cell's `outputs` (nbformat output dicts) wider than `width`: its stdout
+    joined across messages, and the plain text of results and displays that show as text
+    (not a figure's or a widget's fallback text). A carriage return redraws its line: only
+    what follows the last one is shown."""
+    texts, stdout = [], []
+    for out in outputs:
+        if out.get("output_type") == "stream" and out.get("name") == "stdout":
+            stdout.append(out.get("text", ""))
+        elif out.get("output_type") in ("execute_result", "display_data"):
+            data = out.get("data", {})
+            if "text/plain" in data and not any(kind in data for kind in RICH):
+                plain = data["text/plain"]
+                texts.append(plain if isinstance(plain, str) else "".join(plain))
+    texts.append("".join("".join(t) if isinstance(t, list) else t for t in stdout))
+    shown = (line.rsplit("\r", 1)[-1] for text in texts for line in text.split("\n"))
+    return [line for line in shown if len(line) > width]
+
+
 def execute(nb: Path, out: Path, parameters: dict, config) -> None:
     """Execute `nb` into `out` through a temporary name beside it: `out` appears whole (also
     after a failing cell or a dead kernel, whose copies papermill saved whole), or not at all
@@ -213,6 +240,11 @@ def run(parameters: dict, only: str | None = None) -> Path:
                     raise
                 raise write_failed(err, Path(err.filename)) from None
             tqdm.write(f"{nb.name}: {time.perf_counter() - start:.1f} s -> {out}")
+            wide = [line for cell in json.loads(out.read_text(encoding="utf-8"))["cells"]
+                    for line in wide_lines(cell.get("outputs", []))]
+            if wide:  # the course's own rule; nbval fails on it, a run only says it
+                tqdm.write(f"  {len(wide)} printed lines over {PRINT_WIDTH} characters, the "
+                           f"first: {wide[0][:PRINT_WIDTH]}...")
             count += 1
     bar.close()
     print(summary(count, time.perf_counter() - started, run_dir))

@@ -19,6 +19,7 @@ if TYPE_CHECKING:  # the test skips, rather than fails to import, where playwrig
 
 CELLS = ".jp-Notebook .jp-Cell"
 STDERR = "application/vnd.jupyter.stderr"
+SHOWN_AS_TEXT = ("application/vnd.jupyter.stdout", "text/plain")
 # An error output and a stderr stream both render as STDERR; an error is what reads as one.
 ERROR_TEXT = re.compile(r"Traceback \(most recent call last\)|^\w*(Error|Exception)\b",
                         re.MULTILINE)
@@ -133,6 +134,17 @@ def error_outputs(page: Page) -> list[str]:
             if out["mime"] == STDERR and ERROR_TEXT.search(out["text"]):
                 found.append(f"cell {i}: {out['text'][:2000]}")
     return found
+
+
+def wide_lines(page: Page) -> list[str]:
+    """'cell i: (width) line' for every printed line wider than the course allows
+    (zero_lab.course.PRINT_WIDTH, the rule nbval holds the other notebooks to)."""
+    from zero_lab.course import PRINT_WIDTH
+
+    return [f"cell {i}: ({len(line)}) {line}"
+            for i in range(page.locator(CELLS).count()) for out in outputs(page, i)
+            if out["mime"] in SHOWN_AS_TEXT
+            for line in out["text"].split("\n") if len(line) > PRINT_WIDTH]
 
 
 def stderr_noise(page: Page) -> list[str]:
