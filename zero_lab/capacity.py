@@ -67,6 +67,15 @@ def available_memory() -> int | None:
     return min(found) if found else None
 
 
+def check_count(nproc: int, what: str = "nproc") -> None:
+    """A number of ranks is an int >= 1 (TypeError or ValueError naming `what`)."""
+    if isinstance(nproc, bool) or not isinstance(nproc, int):
+        raise TypeError(f"{what} must be an int (number of ranks), got {nproc!r} "
+                        f"({type(nproc).__name__})")
+    if nproc < 1:
+        raise ValueError(f"{what} must be >= 1, got {nproc}")
+
+
 def check_nproc(nproc: int, rank_bytes: int = RANK_BASE_BYTES, *, cores: int | None = None,
                 memory: int | None = -1, what: str = "nproc", stacklevel: int = 2) -> None:
     """Refuse `nproc` ranks this machine cannot run (ValueError naming `what`, the rule and
@@ -76,11 +85,7 @@ def check_nproc(nproc: int, rank_bytes: int = RANK_BASE_BYTES, *, cores: int | N
     this machine's (`memory=None`: unknown, not checked). `stacklevel` as warnings.warn's,
     counted from the caller of this function.
     """
-    if isinstance(nproc, bool) or not isinstance(nproc, int):
-        raise TypeError(f"{what} must be an int (number of ranks), got {nproc!r} "
-                        f"({type(nproc).__name__})")
-    if nproc < 1:
-        raise ValueError(f"{what} must be >= 1, got {nproc}")
+    check_count(nproc, what)
     cores = available_cores() if cores is None else cores
     memory = available_memory() if memory == -1 else memory
     if nproc > MAX_RANKS_PER_CORE * cores:

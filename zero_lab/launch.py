@@ -112,11 +112,8 @@ def resolve_backend(backend: str, nproc: int, device: str = "auto") -> str:
     return "gloo"
 
 
-def _check_arguments(script, nproc, args, timeout) -> tuple[Path, list[str]]:
-    if isinstance(nproc, bool) or not isinstance(nproc, int):
-        raise TypeError(f"nproc must be an int (number of ranks), got {nproc!r}")
-    if nproc < 1:
-        raise ValueError(f"nproc must be >= 1, got {nproc}")
+def _check_arguments(script, args, timeout) -> tuple[Path, list[str]]:
+    """The launch's own arguments (nproc is capacity's: check_count, then check_nproc)."""
     if isinstance(args, str):
         raise TypeError(f"args must be a list of strings, not one string: got {args!r}")
     if not (isinstance(timeout, (int, float)) and timeout > 0):
@@ -145,7 +142,8 @@ def torchrun(
     keeps it quiet). Raises LaunchError with the first failing rank's traceback, or
     LaunchTimeout after `timeout` seconds; either way no process is left running.
     """
-    script_path, str_args = _check_arguments(script, nproc, args, timeout)
+    capacity.check_count(nproc)
+    script_path, str_args = _check_arguments(script, args, timeout)
     chosen = resolve_backend(backend, nproc)
     capacity.check_nproc(nproc, stacklevel=3)  # cores and memory, before anything starts
     run_dir = launch_env.new_log_dir(script_path.stem)
