@@ -14,6 +14,7 @@ import pytest
 
 from zero_lab import grading, memory
 from zero_lab.grading import Case, ExerciseFailed
+from zero_lab.grading import nb01_memory as nb01
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))
@@ -193,7 +194,8 @@ def test_ipython_shows_the_message_not_a_traceback(capsys):
     try:
         result = shell.run_cell(
             "from zero_lab import grading\n"
-            "def stub(p, o):\n    raise NotImplementedError\n"
+            "def stub(params, grads, master, states, n_states):\n"
+            "    raise NotImplementedError\n"
             "grading.check_bytes_per_param(stub)\n"
         )
     finally:
@@ -207,62 +209,91 @@ def test_ipython_shows_the_message_not_a_traceback(capsys):
 # ------------------------------------------------- notebook 01's checks, both directions
 
 
-def _wrong_bytes_per_param(precision, optimizer):  # forgets the fp32 master copy
-    b = memory.bytes_per_param(precision, optimizer)
-    return {"params": b["params"], "grads": b["grads"], "optimizer": b["optimizer_states"]}
+def _wrong_bytes_per_param(params, grads, master, states, n_states):  # K without the master
+    return nb01.recipe_bytes(params, grads, None, states, n_states)
 
 
-def _wrong_states_16bit(precision, optimizer):  # Adam's m and v in 16-bit
-    b = memory.bytes_per_param(precision, optimizer)
-    k = b["master"] + b["optimizer_states"] // (2 if precision == "mixed" else 1)
-    return {"params": b["params"], "grads": b["grads"], "optimizer": k}
+def _wrong_states_fp32(params, grads, master, states, n_states):  # 8-bit Adam priced as fp32
+    return nb01.recipe_bytes(params, grads, master, "fp32", n_states)
 
 
-def _wrong_stage2_like_stage1(psi, stage, n_d, k=12):
-    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n_d, 2: 4 * psi + k * psi / n_d,
-            3: (4 + k) * psi / n_d}[stage]
+def _wrong_one_state(params, grads, master, states, n_states):  # Adam's v forgotten
+    return nb01.recipe_bytes(params, grads, master, states, min(n_states, 1))
 
 
-def _wrong_stage1_shards_grads(psi, stage, n_d, k=12):
-    return {0: (4 + k) * psi, 1: 2 * psi + (2 + k) * psi / n_d, 2: 2 * psi + (2 + k) * psi / n_d,
-            3: (4 + k) * psi / n_d}[stage]
+def _wrong_stage2_like_stage1(psi, stage, n_d, r):
+    return nb01.per_rank_bytes(psi, 1 if stage == 2 else stage, n_d, r)
 
 
-def _wrong_master_twice(psi, stage, n_d, k=12):
-    k += 4
-    return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n_d, 2: 2 * psi + (2 + k) * psi / n_d,
-            3: (4 + k) * psi / n_d}[stage]
+def _wrong_stage1_shards_grads(psi, stage, n_d, r):
+    return nb01.per_rank_bytes(psi, 2 if stage == 1 else stage, n_d, r)
 
 
-def _wrong_largest_ignores_stage(gpu, n_d, stage, k=12):
-    return gpu / (4 + k)
+def _wrong_no_padding(psi, stage, n_d, r):  # Ψ/N_d elements, no padded partition
+    whole = {0: r["total"], 1: r["params"] + r["grads"], 2: r["params"], 3: 0}[stage]
+    return whole * psi + (r["total"] - whole) * psi / n_d
 
 
-def _wrong_largest_all_sharded(gpu, n_d, stage, k=12):
-    return gpu * n_d / (4 + k)
+def _wrong_largest_ignores_stage(gpu, n_d, stage, r, reserve=0):
+    return (gpu - reserve) / r["total"]
 
 
-def _wrong_largest_in_gib(gpu, n_d, stage, k=12):  # converts a byte budget as if it were GiB
-    per = {0: 4 + k, 1: 4 + k / n_d, 2: 2 + (2 + k) / n_d, 3: (4 + k) / n_d}[stage]
-    return gpu / 2**30 * 1e9 / per
+def _wrong_largest_all_sharded(gpu, n_d, stage, r, reserve=0):
+    return (gpu - reserve) * n_d / r["total"]
+
+
+def _wrong_largest_no_reserve(gpu, n_d, stage, r, reserve=0):
+    return nb01.largest_model(gpu, n_d, stage, r)
+
+
+def _wrong_largest_in_gib(gpu, n_d, stage, r, reserve=0):  # a byte budget read as GiB
+    return nb01.largest_model(gpu, n_d, stage, r, reserve) / 2**30 * 1e9
 
 
 WRONG = {
     "check_bytes_per_param": [
-        (_wrong_bytes_per_param, "fp32 master copy"),
-        (_wrong_states_16bit, "optimizer states stay fp32"),
+        (_wrong_bytes_per_param, "fp32 master copy is part of K"),
+        (_wrong_states_fp32, "size of their own dtype"),
+        (_wrong_one_state, "n_states counts the state tensors"),
     ],
     "check_per_rank_bytes": [
         (_wrong_stage2_like_stage1, "sharded one state too few"),
         (_wrong_stage1_shards_grads, "sharded one state too many"),
-        (_wrong_master_twice, "K already includes the fp32 master copy"),
+        (_wrong_no_padding, "ceil(Ψ/N_d)"),
     ],
     "check_largest_model": [
         (_wrong_largest_ignores_stage, "plain data parallelism's limit"),
-        (_wrong_largest_all_sharded, "only stage 3 divides all"),
-        (_wrong_largest_in_gib, "solve per_rank_bytes"),
+        (_wrong_largest_all_sharded, "only stage 3 divides every byte"),
+        (_wrong_largest_no_reserve, "the reserve (activations, buffers) comes off"),
+        (_wrong_largest_in_gib, "solve per-rank bytes + reserve"),
     ],
 }
+
+
+def test_notebook01_references_agree_with_the_memory_calculators():
+    """The checks' own references (any recipe) give what `memory` gives for the recipes it
+    names: bytes per parameter, per-rank bytes (padded partitions), the largest model."""
+    import torch
+
+    dtypes = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16,
+              "int8": torch.int8}
+    assert {k: dtypes[k].itemsize for k in nb01.DTYPE_BYTES} == nb01.DTYPE_BYTES
+    named = {"fp32 Adam": ("fp32", "adam", None),
+             "mixed-precision Adam, the paper's": ("mixed", "adam", None),
+             "Megatron-LM's fp32 main grads, Adam": ("mixed", "adam", 4),
+             "fp16 momentum SGD, fp32 master": ("mixed", "sgd_momentum", None),
+             "fp32 SGD": ("fp32", "sgd", None)}
+    for name, (precision, optimizer, grad_bytes) in named.items():
+        b = memory.bytes_per_param(precision, optimizer, grad_bytes)
+        assert nb01.recipe(name) == {k: b[k] for k in ("params", "grads", "optimizer", "total")}
+        for psi, n in ((126, 4), (1001, 8), (7_000_000_001, 64), (10, 16)):
+            for stage in memory.STAGES:
+                assert nb01.per_rank_bytes(psi, stage, n, nb01.recipe(name)) == (
+                    memory.model_state_bytes(psi, stage, n, precision, optimizer,
+                                             grad_bytes=grad_bytes)["total"]), (name, psi, n)
+                exact = memory.largest_model(80 * 2**30, n, stage, precision, optimizer,
+                                             grad_bytes=grad_bytes)
+                assert 0 <= nb01.largest_model(80 * 2**30, n, stage, nb01.recipe(name)) - exact < n
 
 
 @pytest.mark.parametrize("source, check, fn_name", _exercises(NB01),

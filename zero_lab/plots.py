@@ -90,6 +90,42 @@ def memory_stage_bars(rows, gpu_bytes=None, ax=None, unit=2**30, unit_name="GiB"
     return fig
 
 
+def activation_curves(n_layers: int, hidden: int, heads: int, seq_lens, micro_batch: int = 1,
+                      attention: str = "fused") -> dict[str, list[int]]:
+    """Activation bytes per rank at each sequence length, one list per checkpointing mode.
+
+    One attention kind for every mode (`memory.ATTENTION`): mixing them (the paper's unfused
+    count for "full", a fused kernel for "selective") would draw full recompute above
+    selective at long sequences, where it is the cheaper of the two."""
+    from zero_lab import memory
+
+    return {mode: [memory.activation_bytes(n_layers, s, micro_batch, hidden, heads, mode,
+                                           attention=attention) for s in seq_lens]
+            for mode in memory.CHECKPOINTING}
+
+
+def activations_vs_states_figure(seq_lens, curves, states_bytes, attention, title,
+                                 unit=2**30, unit_name="GiB"):
+    """Notebook 01: `activation_curves` per checkpointing mode against the sharded model
+    states (dotted), log-log; the attention kind is named in the title."""
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 3.6))
+    styles = {"selective": ("--", "x")}  # dashed, crosses: visible where it lies on "none"
+    for mode, values in curves.items():
+        ls, marker = styles.get(mode, ("-", "o"))
+        ax.plot(seq_lens, [v / unit for v in values], marker=marker, ls=ls,
+                label=f"activations, {mode}")
+    ax.axhline(states_bytes / unit, color="black", linestyle=":",
+               label="model states, stage 3, N_d = 8")
+    ax.set(xscale="log", yscale="log", xlabel="sequence length",
+           ylabel=f"{unit_name} per rank", title=f"{title}, {attention} attention")
+    ax.set_xticks(seq_lens, [str(s) for s in seq_lens])
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    return fig
+
+
 # ---- notebook 02: collectives ------------------------------------------------------
 
 OP_COLORS = {"all_reduce": "#4C72B0", "reduce_scatter": "#DD8452", "all_gather": "#55A868",
@@ -382,25 +418,30 @@ def lifecycle_timeline_figure(runs: dict, unit=2**10, unit_name="KiB", title=Non
     """Bytes alive after every op of one training step: one panel per run.
 
     `runs` maps a panel title to a report of `zero_lab.workers.zero3_lifecycle.measure_step`
-    ("samples", "marks", "held"). Each panel has its own scale, so that a unit's tooth shows
-    (compare levels with the dashed line, the model states). The backward pass is shaded;
-    where a stage-3 run gathers a unit, a thin line marks it (named on the first panel).
+    ("samples", "marks", "held", and for stage 3 "units"). Every panel shares one y-axis
+    from 0, so stage 3's level reads against stage 0's (compare with the dashed line, the
+    model states). The backward pass is shaded; where a stage-3 run gathers a unit, a thin
+    line marks it, named on the first panel u0, u1, ...: units counted in forward order.
     """
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.4 * len(runs)), squeeze=False)
-    named = False
+    fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.4 * len(runs)), squeeze=False,
+                             sharey=True)
+    named, n_units = False, 0
     for ax, (label, run) in zip(axes[:, 0], runs.items(), strict=True):
         samples = [b / unit for b in run["samples"]]
         marks = {text: i for i, text in run["marks"]}
         if "forward done" in marks and "backward done" in marks:
             ax.axvspan(marks["forward done"], marks["backward done"], color="#EEEEEE",
                        label="backward")
+        order = [u["unit"] for u in run.get("units", [])]  # module names, in forward order
         gathers = [(i, text.split()[-1]) for i, text in run["marks"] if " gather " in text]
+        n_units = max(n_units, len(order))
         for i, name in gathers:
             ax.axvline(i, color=STATE_COLORS["params"], lw=0.6, alpha=0.5)
             if not named:  # above the panel, where no curve or legend covers it
-                ax.annotate(f"u{name}", (i, 1.0), xycoords=("data", "axes fraction"),
+                k = order.index(name) if name in order else name
+                ax.annotate(f"u{k}", (i, 1.0), xycoords=("data", "axes fraction"),
                             xytext=(0, 2), textcoords="offset points", fontsize=7.5,
                             ha="center", va="bottom", color=STATE_COLORS["params"])
         named = named or bool(gathers)
@@ -410,10 +451,12 @@ def lifecycle_timeline_figure(runs: dict, unit=2**10, unit_name="KiB", title=Non
         ax.set_title(label, fontsize=10, loc="left", pad=12)
         ax.set_ylabel(f"{unit_name} alive")
         ax.set_xlim(0, len(samples) - 1)
+    axes[0, 0].set_ylim(bottom=0)  # shared: every panel from 0
     fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8,
                frameon=False)
+    units = f"u0-u{n_units - 1}: units 0-{n_units - 1}" if n_units else "u<k>: unit k"
     axes[-1, 0].set_xlabel("ops of one training step (forward, backward, optimizer step); "
-                           "u<k>: unit k gathered")
+                           f"{units} (numbered in forward order) gathered")
     if title:
         fig.suptitle(title)
     fig.tight_layout(rect=(0, 0.03, 1, 1))  # leave the bottom strip to the legend

@@ -1,110 +1,141 @@
 """Notebook 01's checks: memory accounting, plain input -> output against `zero_lab.memory`.
 
-The reference values come from the package's calculators; the wrong answers are the
-mistakes learners make with the ZeRO paper's formulas (the fp32 master copy forgotten or
-counted twice, one stage off, every stage treated alike).
+The learner derives, for recipes the notebook has not tabulated (fp32 gradients, 8-bit Adam,
+pure bf16 without a master copy, ...): the bytes a parameter costs, the bytes one rank holds
+at each stage (padded partitions included), and the largest model a GPU holds once
+activations have their share. The references are below; tests/test_grading.py ties them to
+`memory.bytes_per_param`, `memory.model_state_bytes` and `memory.largest_model` on the
+recipes those name. The wrong answers are the mistakes learners make with the ZeRO paper's
+formulas (the master copy forgotten, every state taken as fp32, one stage off, every stage
+treated alike, the padding or the reserve forgotten).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 
 from zero_lab import memory
 from zero_lab.grading.framework import Case, run_cases, same
 
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}  # the exercise's dtype names
+
+# (params, grads, master, states, n_states) of recipes in use; master None: no copy
+RECIPES = {
+    "fp32 Adam": ("fp32", "fp32", None, "fp32", 2),
+    "mixed-precision Adam, the paper's": ("bf16", "bf16", "fp32", "fp32", 2),
+    "Megatron-LM's fp32 main grads, Adam": ("bf16", "fp32", "fp32", "fp32", 2),
+    "fp32 grads, 8-bit Adam": ("bf16", "fp32", "fp32", "int8", 2),
+    "pure bf16 Adam, no master copy": ("bf16", "bf16", None, "bf16", 2),
+    "fp16 momentum SGD, fp32 master": ("fp16", "fp16", "fp32", "fp32", 1),
+    "fp32 SGD": ("fp32", "fp32", None, "fp32", 0),
+    "bf16 Adam states, fp32 master": ("bf16", "bf16", "fp32", "bf16", 2),
+}
+
+
+def recipe_bytes(params: str, grads: str, master: str | None, states: str,
+                 n_states: int) -> dict[str, int]:
+    """Bytes per parameter of a recipe named by its dtypes; "optimizer" is the paper's K
+    (the master copy, if any, plus the states)."""
+    p, g = DTYPE_BYTES[params], DTYPE_BYTES[grads]
+    k = (DTYPE_BYTES[master] if master else 0) + n_states * DTYPE_BYTES[states]
+    return {"params": p, "grads": g, "optimizer": k, "total": p + g + k}
+
+
+def recipe(name: str) -> dict[str, int]:
+    """{"params", "grads", "optimizer", "total"} bytes per parameter of RECIPES[name]."""
+    return recipe_bytes(*RECIPES[name])
+
 
 def check_bytes_per_param(fn: Callable) -> None:
-    """Notebook 01: fn(precision, optimizer) -> {"params", "grads", "optimizer"} bytes/param.
+    """Notebook 01: fn(params, grads, master, states, n_states) -> {"params", "grads",
+    "optimizer", "total"} bytes per parameter, for dtype names of DTYPE_BYTES."""
+    def forgot_master(params, grads, master, states, n_states):
+        return recipe_bytes(params, grads, None, states, n_states)
 
-    "optimizer" is the paper's K: everything the optimizer keeps, fp32 master copy included.
-    """
-    def reference(precision, optimizer):
-        b = memory.bytes_per_param(precision, optimizer)
-        return {key: b[key] for key in ("params", "grads", "optimizer")}
+    def states_always_fp32(params, grads, master, states, n_states):
+        return recipe_bytes(params, grads, master, "fp32", n_states)
 
-    def forgot_master(precision, optimizer):
-        b = reference(precision, optimizer)
-        return {**b, "optimizer": memory.bytes_per_param(precision, optimizer)["optimizer_states"]}
-
-    def half_precision_states(precision, optimizer):
-        b = reference(precision, optimizer)
-        if precision == "mixed":
-            states = memory.bytes_per_param(precision, optimizer)["optimizer_states"]
-            b["optimizer"] = 4 + states // 2
-        return b
+    def one_state(params, grads, master, states, n_states):
+        return recipe_bytes(params, grads, master, states, min(n_states, 1))
 
     cases = [
-        Case(
-            args=(precision, optimizer),
-            expected=reference(precision, optimizer),
-            hint=f"{precision}: params and grads are "
-            f"{'fp32 (4 bytes)' if precision == 'fp32' else '16-bit (2 bytes)'}; "
-            f"{optimizer} keeps {memory.OPTIMIZER_STATES[optimizer]} fp32 state tensor(s)",
-        )
-        for precision in ("fp32", "mixed")  # the exercise's two names (bf16, fp16 = mixed)
-        for optimizer in memory.OPTIMIZERS
+        Case(args=args, expected=recipe_bytes(*args), label=f"{name} {args}",
+             hint="bytes of each dtype: fp32 4, bf16 and fp16 2, int8 1; K = the master "
+                  "copy (if any) + n_states x the state dtype; total = params + grads + K")
+        for name, args in RECIPES.items()
     ]
     run_cases(
         "check_bytes_per_param",
         fn,
         cases,
         wrong_answers=[
-            (
-                forgot_master,
-                "mixed precision also keeps an fp32 master copy of the weights (4 bytes); "
-                "the update is applied to it, and the paper counts it in K",
-            ),
-            (
-                half_precision_states,
-                "optimizer states stay fp32 (4 bytes each) in mixed precision; only the "
-                "working params and grads are 16-bit",
-            ),
+            (forgot_master, "the fp32 master copy is part of K: the optimizer applies the "
+                            "update to it and keeps it for the whole run"),
+            (states_always_fp32, "optimizer states take the size of their own dtype: 8-bit "
+                                 "Adam keeps m and v in 1 byte each, bf16 states in 2"),
+            (one_state, "n_states counts the state tensors per parameter: Adam keeps two "
+                        "(m and v), each of the state dtype"),
         ],
-        shows="you can turn a precision recipe into the bytes each parameter costs",
+        shows="you can price any training recipe in bytes per parameter, master copy included",
     )
 
 
-_K_TO_OPTIMIZER = {12: "adam", 8: "sgd_momentum", 4: "sgd"}  # mixed precision: K = 4 + 4·states
+def _split(stage: int, r: dict) -> tuple[int, int]:
+    """(bytes per parameter every rank keeps whole, bytes per parameter divided by N_d)."""
+    whole = {0: r["params"] + r["grads"] + r["optimizer"], 1: r["params"] + r["grads"],
+             2: r["params"], 3: 0}[stage]
+    return whole, r["params"] + r["grads"] + r["optimizer"] - whole
 
 
-def _paper_bytes(psi, stage, n_d, k=12):
-    return memory.model_state_bytes(psi, stage, n_d, "mixed", _K_TO_OPTIMIZER[k])["total"]
+def per_rank_bytes(psi: int, stage: int, n_d: int, r: dict) -> int:
+    """Model-state bytes one rank holds under ZeRO `stage` for recipe `r` (bytes per
+    parameter): what the stage shards costs one partition, ceil(Ψ/N_d) elements, per rank."""
+    whole, sharded = _split(stage, r)
+    return whole * psi + sharded * memory.partition_elements(psi, n_d)
+
+
+def largest_model(gpu_bytes: float, n_d: int, stage: int, r: dict, reserve: float = 0) -> float:
+    """The largest Ψ whose per-rank model states fit beside `reserve` bytes (activations,
+    buffers) on a GPU of `gpu_bytes`: (gpu - reserve) / (whole + sharded/N_d), the paper's
+    formula solved for Ψ (partitions taken as Ψ/N_d)."""
+    whole, sharded = _split(stage, r)
+    return float((Fraction(gpu_bytes) - Fraction(reserve)) / (whole + Fraction(sharded, n_d)))
 
 
 def check_per_rank_bytes(fn: Callable) -> None:
-    """Notebook 01: fn(psi, stage, n_d, k=12) -> per-rank model-state bytes (paper's formula)."""
+    """Notebook 01: fn(psi, stage, n_d, recipe) -> the model-state bytes one rank holds (an
+    int), sharded states padded to ceil(Ψ/N_d) elements."""
     stage_hints = {
-        0: "plain data parallelism: every rank holds everything, (2 + 2 + K)·Ψ",
-        1: "stage 1 shards only the optimizer: 2Ψ + 2Ψ + K·Ψ/N_d",
-        2: "stage 2 shards gradients and optimizer: 2Ψ + (2 + K)·Ψ/N_d",
-        3: "stage 3 shards all three: (2 + 2 + K)·Ψ/N_d",
+        0: "plain data parallelism: every rank holds every state of every parameter",
+        1: "stage 1 shards K only (master copy and states); params and grads stay whole",
+        2: "stage 2 shards the gradients and K; the params stay whole",
+        3: "stage 3 shards all three",
     }
     configs = [
-        (7.5e9, 0, 64, 12),
-        (7.5e9, 1, 64, 12),
-        (7.5e9, 2, 64, 12),
-        (7.5e9, 3, 64, 12),
-        (128e9, 1, 1024, 12),
-        (128e9, 2, 16, 12),
-        (1e12, 3, 1024, 12),
-        (6.4e9, 2, 8, 8),
-        (6.4e9, 1, 4, 4),
-        (1e9, 3, 1, 12),
+        (7_000_000_001, 1, 64, "Megatron-LM's fp32 main grads, Adam"),
+        (7_000_000_001, 2, 64, "fp32 grads, 8-bit Adam"),
+        (175_000_000_000, 3, 1024, "fp32 grads, 8-bit Adam"),
+        (1_500_000_000, 0, 8, "pure bf16 Adam, no master copy"),
+        (13_000_000_000, 2, 16, "fp16 momentum SGD, fp32 master"),
+        (126, 3, 4, "fp32 Adam"),  # notebook 03's toy MLP: 4 slices of 32, two padding
+        (1001, 2, 8, "mixed-precision Adam, the paper's"),
+        (10, 1, 16, "bf16 Adam states, fp32 master"),  # fewer elements than ranks
     ]
     cases = [
-        Case(args=(psi, stage, n_d), kwargs={"k": k}, expected=_paper_bytes(psi, stage, n_d, k),
-             hint=stage_hints[stage])
-        for psi, stage, n_d, k in configs
+        Case(args=(psi, stage, n_d, recipe(name)), expected=per_rank_bytes(psi, stage, n_d,
+                                                                           recipe(name)),
+             label=f"(Ψ={psi:,}, stage {stage}, N_d={n_d}, {name})", hint=stage_hints[stage])
+        for psi, stage, n_d, name in configs
     ]
 
     def one_stage_off(delta):
-        return lambda psi, stage, n_d, k=12: _paper_bytes(psi, min(max(stage + delta, 0), 3),
-                                                          n_d, k)
+        return lambda psi, stage, n_d, r: per_rank_bytes(psi, min(max(stage + delta, 0), 3),
+                                                         n_d, r)
 
-    def master_counted_twice(psi, stage, n_d, k=12):  # K already holds the master copy
-        k = k + 4
-        return {0: (4 + k) * psi, 1: 4 * psi + k * psi / n_d,
-                2: 2 * psi + (2 + k) * psi / n_d, 3: (4 + k) * psi / n_d}[stage]
+    def no_padding(psi, stage, n_d, r):
+        whole, sharded = _split(stage, r)
+        return whole * psi + sharded * psi / n_d
 
     run_cases(
         "check_per_rank_bytes",
@@ -112,47 +143,51 @@ def check_per_rank_bytes(fn: Callable) -> None:
         cases,
         wrong_answers=[
             (one_stage_off(+1), "you sharded one state too many: this is the next stage's "
-                                "formula. Stage 1 shards the optimizer only; stage 2 adds the "
-                                "gradients; stage 3 adds the parameters"),
+                                "count. Stage 1 shards K only; stage 2 adds the gradients; "
+                                "stage 3 adds the parameters"),
             (one_stage_off(-1), "you sharded one state too few: this is the previous stage's "
-                                "formula"),
-            (master_counted_twice, "K already includes the fp32 master copy (12 = 4 master "
-                                   "+ 4 m + 4 v for Adam); do not add it again"),
+                                "count"),
+            (no_padding, "every rank owns the same number of elements, ceil(Ψ/N_d): the "
+                         "flat buffer is padded at its end, so use -(-psi // n_d), not "
+                         "psi / n_d"),
         ],
-        shows="you can say what each stage divides by N and what it leaves whole on every rank",
+        shows="you can say what each stage divides by N_d and keeps whole, for any recipe",
     )
 
 
 def check_largest_model(fn: Callable) -> None:
-    """Notebook 01: fn(gpu_bytes, n_d, stage, k=12) -> the largest Ψ whose states fit."""
+    """Notebook 01: fn(gpu_bytes, n_d, stage, recipe, reserve=0) -> the largest Ψ whose
+    model states fit beside `reserve` bytes."""
+    gib = 2**30
     configs = [
-        (32e9, 64, 0, 12),
-        (32e9, 64, 1, 12),
-        (32e9, 64, 2, 12),
-        (32e9, 64, 3, 12),
-        (80 * 2**30, 8, 2, 12),
-        (80 * 2**30, 8, 3, 12),
-        (24 * 2**30, 1, 0, 8),
-        (40e9, 1024, 1, 4),
+        (80 * gib, 8, 3, "mixed-precision Adam, the paper's", 0),
+        (80 * gib, 8, 1, "Megatron-LM's fp32 main grads, Adam", 10 * gib),
+        (80 * gib, 64, 2, "fp32 grads, 8-bit Adam", 20 * gib),
+        (24 * gib, 1, 0, "pure bf16 Adam, no master copy", 4 * gib),
+        (32e9, 64, 1, "mixed-precision Adam, the paper's", 0),  # the paper's Table 2, MP = 1
+        (141e9, 1024, 3, "fp32 Adam", 40e9),
+        (40e9, 16, 2, "fp16 momentum SGD, fp32 master", 8e9),
     ]
     cases = [
-        Case(
-            args=(gpu, n_d, stage),
-            kwargs={"k": k},
-            expected=float(memory.largest_model(gpu, n_d, stage, "mixed", _K_TO_OPTIMIZER[k])),
-            hint="solve per_rank_bytes(Ψ) = gpu_bytes for Ψ; only the sharded part is "
-            "divided by N_d",
-        )
-        for gpu, n_d, stage, k in configs
+        Case(args=(gpu, n_d, stage, recipe(name)), kwargs={"reserve": reserve},
+             expected=largest_model(gpu, n_d, stage, recipe(name), reserve),
+             label=f"(GPU {gpu / 1e9:g} GB, N_d={n_d}, stage {stage}, {name}, "
+                   f"reserve {reserve / 1e9:g} GB)",
+             hint="per-rank bytes are (whole + sharded / N_d) x Ψ; solve "
+                  "per-rank bytes + reserve = gpu_bytes for Ψ")
+        for gpu, n_d, stage, name, reserve in configs
     ]
 
-    def same_for_all_stages(gpu, n_d, stage, k=12):
-        return gpu / (4 + k)
+    def same_for_all_stages(gpu, n_d, stage, r, reserve=0):
+        return largest_model(gpu, n_d, 0, r, reserve)
 
-    def everything_sharded(gpu, n_d, stage, k=12):
-        return gpu * n_d / (4 + k)
+    def everything_sharded(gpu, n_d, stage, r, reserve=0):
+        return largest_model(gpu, n_d, 3, r, reserve)
 
-    def close(expected, got):  # a float answer may differ from the integer one by < N_d
+    def forgot_reserve(gpu, n_d, stage, r, reserve=0):
+        return largest_model(gpu, n_d, stage, r, 0)
+
+    def close(expected, got):  # the paper's formula: partitions taken as Ψ/N_d
         return same(expected, got, rel=1e-6)
 
     run_cases(
@@ -162,9 +197,11 @@ def check_largest_model(fn: Callable) -> None:
         compare=close,
         wrong_answers=[
             (same_for_all_stages, "this is plain data parallelism's limit for every stage; "
-                                  "ZeRO shards part of the 16 bytes over N_d ranks"),
-            (everything_sharded, "only stage 3 divides all of (2 + 2 + K)·Ψ by N_d; stages "
-                                 "1 and 2 keep a full copy of the params (and grads)"),
+                                  "ZeRO shards part of the bytes over N_d ranks"),
+            (everything_sharded, "only stage 3 divides every byte by N_d; stages 1 and 2 "
+                                 "keep a full copy of the params (and stage 1 of the grads)"),
+            (forgot_reserve, "the reserve (activations, buffers) comes off the GPU first: "
+                             "the states get gpu_bytes - reserve"),
         ],
-        shows="you can turn the formula around: the largest model a GPU holds at each stage",
+        shows="you can size the largest model a GPU holds at a stage, activations set aside",
     )

@@ -92,8 +92,8 @@ def judge_materialize_release(name: str, reports: list[dict]) -> None:
             if r["freed_bytes"]:
                 fail(name, f"{where}: after release unit.full still holds "
                            f"{r['freed_bytes']} bytes",
-                     "rebinding p.data alone frees nothing (the seed blog's release): autograd "
-                     "still references the full tensors. Free the storage itself: "
+                     "rebinding p.data alone frees nothing (the ZeRO blog post's release): "
+                     "autograd still references the full tensors. Free the storage itself: "
                      "free_storage(unit.full)")
             if not r["local_again"]:
                 fail(name, f"{where}: after release the parameters are not their local pieces",

@@ -153,9 +153,9 @@ patterns = {
         flat_numel, lambda: (dist.all_gather_single(flat, shard),
                              dist.all_gather_single(flat, shard),
                              dist.reduce_scatter_single(shard, flat))),
-    "seed blog's ZeRO-1: all-reduce each gradient, owners broadcast parameters": (
+    "blog post's ZeRO-1: all-reduce each gradient, owners broadcast parameters": (
         sum(sizes), seed_zero1_step),
-    "seed blog's ZeRO-2: 'reduce-scatter' of N copies, owners broadcast parameters": (
+    "blog post's ZeRO-2: 'reduce-scatter' of N copies, owners broadcast parameters": (
         sum(sizes), seed_zero2_step),
 }
 pattern_out = {}

@@ -86,4 +86,4 @@ report({"runs": runs, "refused": refused, "n_params": n_params,
         "reference_spare_moved": (expected["spare.weight"] - start["spare.weight"]).abs().max()
         .item()})
 if rank == 0:
-    print("; ".join(f"{k}: max |w - w_1proc| = {v['max_abs_diff']:.1e}" for k, v in runs.items()))
+    print(f"trained {len(runs)} runs ({', '.join(runs)}) beside one process")
