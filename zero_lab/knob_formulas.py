@@ -22,6 +22,19 @@ bytes of the padded flat buffers (groups at stages 0-2, units at stage 3), G of 
 ("keep gathered": reshard_after_forward=False; without no_sync it gathers in every forward,
 kΨ.) The ZeRO paper's volume counts an all-reduce twice; the bytes a rank sends under the
 ring algorithm are (N-1)/N of each message, twice for an all-reduce (cost_model).
+
+torch's FSDP2 (`fsdp2_accumulation_messages`), the first k - 1 backwards under
+`set_requires_gradient_sync(False)`, each with `set_reshard_after_backward(rab)`; Ψ its
+parameters padded on dim 0 to a multiple of N:
+
+    reshard_after_forward  reshard_after_backward  all-gather     reduce-scatter  volume
+    True (the default)     True (the default)      2kΨ            Ψ               (2k+1)Ψ
+    True                   False                   (k+1)Ψ         Ψ               (k+2)Ψ
+    False (ZeRO-2-like)    True                    kΨ             Ψ               (k+1)Ψ
+    False                  False                   Ψ              Ψ               2Ψ
+
+(FSDP2 reshards after every backward by default, so the next micro-batch's forward gathers
+again; a unit resharded after forward is gathered again for its backward either way.)
 """
 
 from __future__ import annotations
@@ -74,3 +87,31 @@ def accumulation_messages(stage: int, psi_bytes: int, k: int, world_size: int, *
 def accumulation_volume(stage: int, k: int, **options) -> float:
     """The ZeRO paper's volume of one optimizer step, in units of Ψ (e.g. 2 for stage 0)."""
     return sum(m["volume"] for m in accumulation_messages(stage, 1, k, 2, **options).values())
+
+
+def fsdp2_accumulation_messages(psi_bytes: int, k: int, world_size: int, *,
+                                n_groups: int = 1, reshard_after_forward: bool = True,
+                                reshard_after_backward: bool = True
+                                ) -> dict[str, dict[str, float]]:
+    """{op: {"count", "nbytes", "sent_bytes", "volume"}} of one optimizer step of k
+    micro-batches under torch's FSDP2 (`fully_shard` on `n_groups` modules holding Ψ =
+    `psi_bytes`), the first k - 1 backwards with `set_requires_gradient_sync(False)` and
+    `set_reshard_after_backward(reshard_after_backward)`, the last with both True (the
+    table above). In FSDP2 (torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py) a
+    forward gathers unless the parameters are still unsharded, a backward gathers when the
+    forward resharded them, and a backward without gradient sync reshards only when
+    `reshard_after_backward` is set. On one rank FSDP2 issues no collective at all."""
+    if k < 1 or world_size < 1 or psi_bytes < 0 or n_groups < 1:
+        raise ValueError("k, world_size and n_groups must be >= 1, psi_bytes >= 0")
+    if world_size == 1:
+        return {}
+    forward_gathers = 1 + (k - 1) * reshard_after_backward
+    backward_gathers = k * reshard_after_forward
+    out = {}
+    for op, times in (("all_gather", forward_gathers + backward_gathers),
+                      ("reduce_scatter", 1)):
+        nbytes = times * psi_bytes
+        out[op] = {"count": times * n_groups, "nbytes": nbytes,
+                   "sent_bytes": ring_bytes_sent(op, nbytes, world_size),
+                   "volume": zero_volume(op, nbytes)}
+    return out

@@ -1,8 +1,9 @@
 """Figures of notebook 08, one per knob where a picture says more than the table beside it.
 Parent side; each takes the numbers a launch reported (or the formulas) and returns a figure.
 
-    accumulation_figure   bytes per optimizer step against k (formula lines, measured dots),
-                          and what each configuration holds between micro-batches
+    accumulation_figure   bytes per optimizer step against k (formula lines, measured dots;
+                          ours and torch's FSDP2), what each configuration holds between
+                          micro-batches
     hsdp_figure           bytes a step sends per level here (flat stage 3 vs HSDP), and the
                           bytes that cross the network per GPU on a cluster, projected
     recompute_figure      each stage's peak with recompute off and on, and the budgets in
@@ -11,48 +12,71 @@ Parent side; each takes the numbers a launch reported (or the formulas) and retu
 
 from __future__ import annotations
 
-from zero_lab.knob_formulas import accumulation_volume
+import itertools
+
+from zero_lab.knob_formulas import accumulation_volume, fsdp2_accumulation_messages
 
 KiB = 2**10
-# one colour per configuration of notebook 08's accumulation runs, stage by stage
-RUN_COLORS = {
-    "stage 0": "#4C72B0", "stage 1": "#DD8452", "stage 2 sharded": "#55A868",
-    "stage 2 unsharded": "#8FBC8F", "stage 3 sharded, reshard": "#C44E52",
-    "stage 3 unsharded, reshard": "#E08A8C", "stage 3 sharded, keep": "#8172B3",
-    "stage 3 unsharded, keep": "#B3A7D6",
-}
+# one colour and line style per distinct formula line of the accumulation figure
+LINE_STYLES = [("#4C72B0", "-"), ("#DD8452", "--"), ("#55A868", "-."), ("#C44E52", ":"),
+               ("#8172B3", (0, (5, 1, 1, 1))), ("#937860", (0, (1, 1)))]
+
+
+def _formula_in_psi(run: dict, k: int, world_size: int) -> float:
+    """The volume per optimizer step, in Ψ, of `run`'s configuration at k micro-batches."""
+    if "stage" not in run:  # one of torch's FSDP2 runs
+        messages = fsdp2_accumulation_messages(
+            1, k, world_size, reshard_after_forward=run["reshard_after_forward"],
+            reshard_after_backward=run["reshard_after_backward"])
+        return sum(m["volume"] for m in messages.values())
+    return accumulation_volume(run["stage"], k, grad_accumulation=run["grad_accumulation"],
+                               reshard_after_forward=run["reshard_after_forward"])
 
 
 def accumulation_figure(report: dict):
-    """Left: the paper's volume per optimizer step, in Ψ, against k: the formula as a line,
-    the ledger's measurement as dots, per configuration. Right: the gradients and parameters
-    a rank holds between two micro-batches at the largest k (KiB)."""
+    """Left: the paper's volume per optimizer step, in Ψ, against k. Configurations whose
+    formulas agree at every k share one line, named after all of them (drawn one per
+    configuration they would hide each other); the ledger's measurements are dots, ours
+    filled, FSDP2's hollow, side by side around each k so that none hides another. Right:
+    the gradients and parameters a rank holds between two micro-batches at the largest k."""
     import matplotlib.pyplot as plt
 
-    runs = report["runs"]
+    runs = report["runs"] + report.get("fsdp2", [])
     labels = list(dict.fromkeys(r["label"] for r in runs))
     ks = sorted({r["k"] for r in runs})
-    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 4.6),
-                                      gridspec_kw={"width_ratios": [1.1, 1]})
-    for label in labels:
-        mine = sorted((r for r in runs if r["label"] == label), key=lambda r: r["k"])
-        first = mine[0]
-        options = {"grad_accumulation": first["grad_accumulation"],
-                   "reshard_after_forward": first["reshard_after_forward"]}
-        color = RUN_COLORS.get(label, "grey")
-        left.plot(ks, [accumulation_volume(first["stage"], k, **options) for k in ks], "-",
-                  color=color, alpha=0.7, label=label)
-        left.plot([r["k"] for r in mine],
-                  [sum(s["volume"] for s in r["comm"].values()) / r["psi_bytes"] for r in mine],
-                  "o", color=color)
+    by_label = {label: sorted((r for r in runs if r["label"] == label), key=lambda r: r["k"])
+                for label in labels}
+    lines: dict[tuple[float, ...], list[str]] = {}  # formula at every k -> its configurations
+    for label, mine in by_label.items():
+        lines.setdefault(tuple(_formula_in_psi(mine[0], k, report["world_size"]) for k in ks),
+                         []).append(label)
+    fig, (left, right) = plt.subplots(1, 2, figsize=(12, 5.2),
+                                      gridspec_kw={"width_ratios": [1.25, 1]})
+    dots = []  # (k, measured Ψ, label, colour): one per configuration and k
+    for (values, names), (color, style) in zip(sorted(lines.items(), reverse=True),
+                                               itertools.cycle(LINE_STYLES)):
+        label = f"{values[-1]:g}Ψ at k = {ks[-1]}: " + ", ".join(names)
+        left.plot(ks, values, linestyle=style, color=color, lw=1.5,
+                  label="\n".join(_wrap(label, 62)))
+        dots += [(r["k"], sum(s["volume"] for s in r["comm"].values()) / r["psi_bytes"], name,
+                  color) for name in names for r in by_label[name]]
+    for (k, value), same in _groups(dots).items():  # equal dots side by side around k
+        for i, (_, _, name, color) in enumerate(same):
+            fsdp2 = "stage" not in by_label[name][0]
+            left.plot([k + (i - (len(same) - 1) / 2) * 0.15], [value], linestyle="none",
+                      marker="s" if fsdp2 else "o", markersize=5, color=color,
+                      markerfacecolor="white" if fsdp2 else color)
+    left.plot([], [], "o", color="grey", label="measured, ours (one dot per configuration)")
+    left.plot([], [], "s", color="grey", markerfacecolor="white", label="measured, FSDP2")
     left.set_xlabel("micro-batches per optimizer step, k")
     left.set_ylabel("volume per optimizer step (Ψ)")
+    left.set_ylim(bottom=0)
     left.set_xticks(ks)
     left.set_title("bytes per optimizer step: formula (lines), ledger (dots)")
-    left.legend(fontsize=7)
+    left.legend(fontsize=6.5, loc="upper left")
     left.grid(True, alpha=0.25)
 
-    top = [r for r in runs if r["k"] == max(ks)]
+    top = [r for r in report["runs"] if r["k"] == max(ks)]
     names = [r["label"].replace(", ", "\n") for r in top]
     grads = [r["held_between"]["grads"] / KiB for r in top]
     params = [r["held_between"]["params"] / KiB for r in top]
@@ -61,10 +85,24 @@ def accumulation_figure(report: dict):
     right.invert_yaxis()
     right.tick_params(axis="y", labelsize=7)
     right.set_xlabel("KiB held between micro-batches, rank 0")
-    right.set_title(f"what accumulation keeps (k = {max(ks)})")
+    right.set_title(f"what accumulation keeps (k = {max(ks)}), ours")
     right.legend(fontsize=7)
     fig.tight_layout()
     return fig
+
+
+def _groups(dots: list[tuple]) -> dict[tuple, list[tuple]]:
+    """The dots grouped by their (k, value), which would draw them on top of each other."""
+    out: dict[tuple, list[tuple]] = {}
+    for dot in dots:
+        out.setdefault(dot[:2], []).append(dot)
+    return out
+
+
+def _wrap(text: str, width: int) -> list[str]:
+    import textwrap
+
+    return textwrap.wrap(text, width, subsequent_indent="  ")
 
 
 def hsdp_figure(here: dict, projected: dict[str, dict[str, float]], mesh: tuple[int, int]):

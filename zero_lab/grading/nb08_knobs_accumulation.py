@@ -8,7 +8,13 @@ zero_lab/workers/knob_accumulation.py (one launch; see there for the runs).
                                 the slice ("sharded"); stage 3's full parameters when kept
     check_zero2_pays_k_times    stage 2 "sharded" sends (k + 1)/2 times stage 1's bytes
     check_equal_to_one_process  every run's weights equal one process on the global batch
+                                (torch's FSDP2 runs too)
+    check_fsdp2_bytes_match_formula   FSDP2's ledger, op by op, equals knob_formulas'
+                                fsdp2_accumulation_messages (gradient sync off for k - 1
+                                backwards, resharding after forward / backward or not)
     accumulation_rows           the table the notebook prints (step time as median, min-max)
+    fsdp2_rows                  FSDP2's runs beside the formula and our runs that issue the
+                                same collectives
 
 Exact equalities only: bytes and held states follow from the flat layouts; step times are
 printed with their spread, never compared.
@@ -18,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 
-from zero_lab.knob_formulas import accumulation_messages
+from zero_lab.knob_formulas import accumulation_messages, fsdp2_accumulation_messages
 
 FP32_ATOL = 1e-5  # weights ~0.1 after a few Adam steps; k micro-batches sum in another order
 
@@ -45,6 +51,26 @@ def check_bytes_match_formula(report: dict) -> int:
         assert measured == expected, (f"{_name(run)}: the ledger counted {measured}, the "
                                       f"formula gives {expected}")
     return len(report["runs"])
+
+
+def expected_fsdp2_messages(run: dict, world_size: int) -> dict:
+    """The formula for one FSDP2 run of the report."""
+    return fsdp2_accumulation_messages(run["psi_bytes"], run["k"], world_size,
+                                       n_groups=run["n_groups"],
+                                       reshard_after_forward=run["reshard_after_forward"],
+                                       reshard_after_backward=run["reshard_after_backward"])
+
+
+def check_fsdp2_bytes_match_formula(report: dict) -> int:
+    """Every FSDP2 run's collectives of one optimizer step equal the formula exactly (the
+    same ledger as ours); returns how many runs were checked."""
+    n = report["world_size"]
+    for run in report["fsdp2"]:
+        expected = expected_fsdp2_messages(run, n)
+        measured = {op: dict(s) for op, s in run["comm"].items()}
+        assert measured == expected, (f"{_name(run)}: the ledger counted {measured}, the "
+                                      f"formula gives {expected}")
+    return len(report["fsdp2"])
 
 
 def check_held_between(report: dict) -> None:
@@ -89,7 +115,7 @@ def check_zero2_pays_k_times(report: dict) -> dict[int, float]:
 def check_equal_to_one_process(report: dict, atol: float = FP32_ATOL) -> float:
     """Every run ends within `atol` of one process on the global batch; returns the worst."""
     worst = 0.0
-    for run in report["runs"]:
+    for run in report["runs"] + report.get("fsdp2", []):
         assert run["max_abs_diff"] <= atol, (f"{_name(run)}: weights {run['max_abs_diff']:.2e} "
                                              "from one process on the global batch")
         worst = max(worst, run["max_abs_diff"])
@@ -111,5 +137,29 @@ def accumulation_rows(report: dict) -> list[dict]:
             "held params KiB": held["params"] / 1024 if held else None,
             "peak KiB": run["peak_bytes"] / 1024,
             "step ms": f"{statistics.median(times):.1f} ({min(times):.1f}-{max(times):.1f})",
+        })
+    return rows
+
+
+def _in_psi(run: dict) -> dict[str, float]:
+    return {op: s["nbytes"] / run["psi_bytes"] for op, s in run["comm"].items()}
+
+
+def fsdp2_rows(report: dict) -> list[dict]:
+    """One row per FSDP2 run: bytes sent, volume in Ψ measured and by the formula, the step
+    time, and our runs at the same k whose collectives carry the same bytes op by op."""
+    n = report["world_size"]
+    rows = []
+    for run in report.get("fsdp2", []):
+        times = [1e3 * t for t in run["step_times"]]
+        formula = expected_fsdp2_messages(run, n)
+        rows.append({
+            "run": run["label"], "k": run["k"],
+            "sent KiB": sum(s["sent_bytes"] for s in run["comm"].values()) / 1024,
+            "volume Ψ": _volume(run) / run["psi_bytes"],
+            "formula Ψ": sum(m["volume"] for m in formula.values()) / run["psi_bytes"],
+            "step ms": f"{statistics.median(times):.1f} ({min(times):.1f}-{max(times):.1f})",
+            "same as ours": [r["label"] for r in report["runs"]
+                             if r["k"] == run["k"] and _in_psi(r) == _in_psi(run)],
         })
     return rows

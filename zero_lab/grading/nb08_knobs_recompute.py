@@ -96,6 +96,28 @@ def check_recompute_lowers_the_peak(peaks: dict[tuple[int, bool], int]) -> dict[
     return ratios
 
 
+def check_recompute_runs(runs: list[dict]) -> None:
+    """One rank's recompute runs (stages 0-3, off and on): each step's collectives are the
+    formula's, recompute sends nothing more, and the weights are bit for bit the same."""
+    cases = {(r["stage"], r["recompute"]): r for r in runs}
+    for stage in sorted({s for s, _ in cases}):
+        on, off = cases[stage, True], cases[stage, False]
+        check_step_collectives(stage, on["groups"], on["ledger"])
+        check_recompute_sends_nothing_more(stage, off["ledger"], on["ledger"],
+                                           len(on["groups"]) if stage == 3 else None)
+    check_recompute_is_exact({key: r["digest"] for key, r in cases.items()})
+
+
+def check_precision_runs(runs: list[dict], kept_names: tuple[str, ...]) -> None:
+    """One rank's precision recipes: collectives per group and dtype as the formula says, the
+    modules named `kept_names` in fp32 where the recipe keeps them (everything else in 16
+    bits), and the distance from one process within the recipe's own bound."""
+    for run in runs:
+        check_step_collectives(run["stage"], run["groups"], run["ledger"])
+        check_kept_in_fp32(run["seen"], kept_names if "keep_ln" in run["recipe"] else ())
+        check_recipe_distance(run["recipe"], run["from_reference"], run["reference_from_fp32"])
+
+
 def check_recipe_distance(name: str, from_reference: float, from_fp32: float) -> None:
     """A sharded mixed-precision run stays within twice the distance the recipe itself puts
     between one process and fp32 training (the existing tests' bound: the ranks' 16-bit

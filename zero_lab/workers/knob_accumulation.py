@@ -13,20 +13,37 @@ process trained on the whole global batch of every step. The runs:
                                              micro-batch, or hold the full gradient
     stage 3 reshard / keep x the two modes   reshard_after_forward True / False
 
+Beside them torch's FSDP2 (`fully_shard` on every Linear, then the root) runs the same loop
+on the same batches, the first k - 1 backwards with `set_requires_gradient_sync(False)`, in
+the four layouts of FSDP2_RUNS: reshard after forward or not x after those backwards or not.
+Its bytes are counted by the same ledger: FSDP2 calls `dist.all_gather_single` and
+`dist.reduce_scatter_single` (torch/distributed/fsdp/_fully_shard/_fsdp_collectives.py),
+which reach the dispatcher as `c10d::_allgather_base_` and `c10d::_reduce_scatter_base_`
+on gloo as on NCCL: the ledger counts the messages FSDP2 asks for, whatever gloo does inside.
+torch's `CommDebugMode` sees the same ops but keeps only counts, and its module tracker
+fails on the second forward and backward of one block (IndexError, torch 2.13), which is
+what an accumulated step is.
+
     knob_accumulation.py --width 64 --depth 4 --batch 32 --steps 2 --ks 1 4 8 --bucket-kb 16
+    knob_accumulation.py --only fsdp2 ...      # FSDP2's runs alone (tests/test_fsdp2_*)
 
 Reports {"runs": [{"label", "stage", "grad_accumulation", "reshard_after_forward", "k",
 "comm", "psi_bytes", "shard_bytes", "n_groups", "held_between", "peak_bytes", "step_times",
-"max_abs_diff"}], "world_size"}: JSON, for zero_lab.grading.nb08_knobs_accumulation.
+"max_abs_diff"}], "fsdp2": [{"label", "reshard_after_forward", "reshard_after_backward",
+"k", "comm", "psi_bytes", "n_groups", "step_times", "max_abs_diff"}],
+"world_size"}: JSON, for zero_lab.grading.nb08_knobs_accumulation.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
+import math
 import time
 from contextlib import nullcontext
 
 import torch
+import torch.distributed as dist
 
 from zero_lab.collectives import CommLedger
 from zero_lab.launch import init_worker, report
@@ -46,6 +63,14 @@ RUNS = [
     ("stage 3 sharded, keep", 3, "sharded", False),
     ("stage 3 unsharded, keep", 3, "unsharded", False),
 ]
+# torch's FSDP2, gradient sync off for k - 1 backwards: (label, reshard_after_forward,
+# reshard_after_backward in those backwards); what it reshards while it accumulates
+FSDP2_RUNS = [
+    ("FSDP2 reshard fwd + bwd", True, True),  # fully_shard's defaults
+    ("FSDP2 reshard fwd", True, False),
+    ("FSDP2 reshard bwd", False, True),  # reshard_after_forward=False: ZeRO-2-like
+    ("FSDP2 reshard neither", False, False),
+]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -57,6 +82,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--ks", type=int, nargs="+", default=[1, 4, 8])
     # stages 0-2's flat groups (a few per model, as DDP's 25 MB buckets are on a large one)
     parser.add_argument("--bucket-kb", type=float, default=16.0)
+    parser.add_argument("--only", choices=("all", "fsdp2"), default="all")
     return parser.parse_args(argv)
 
 
@@ -120,24 +146,75 @@ def run(args, label, stage, mode, reshard, k, batches, ref, device) -> dict:
     }
 
 
+def fsdp2_run(args, label, reshard_fwd, reshard_bwd, k, batches, ref, device) -> dict:
+    """torch's FSDP2 on the same MLP, batches and loop; the last step under the ledger."""
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = deep_mlp(args.width, args.depth).to(device)
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, reshard_after_forward=reshard_fwd)
+    fully_shard(model, reshard_after_forward=reshard_fwd)
+    opt = adam(model.parameters())
+
+    def step(parts) -> None:
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            model.set_requires_gradient_sync(last)  # reduce-scatter in the last backward only
+            model.set_reshard_after_backward(last or reshard_bwd)
+            (mse_loss(model, part) / len(parts)).backward()
+        opt.step()
+        opt.zero_grad()
+
+    times = []
+    for s in range(args.steps):
+        start = time.perf_counter()
+        step(batches(s, k))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append(time.perf_counter() - start)
+    with CommLedger() as ledger:  # (no PeakMemory: on CPU it cannot read FSDP2's storages)
+        step(batches(args.steps, k))
+    world = dist.get_world_size()
+    weights = {name: p.full_tensor() for name, p in model.named_parameters()}
+    return {
+        "label": label, "reshard_after_forward": reshard_fwd,
+        "reshard_after_backward": reshard_bwd, "k": k, "comm": ledger.summary(),
+        # FSDP2 pads each parameter's dim 0 to a multiple of N (its DTensor shards)
+        "psi_bytes": sum(world * -(-p.shape[0] // world) * math.prod(p.shape[1:])
+                         * p.element_size() for p in model.parameters()),
+        "n_groups": sum(isinstance(layer, torch.nn.Linear) for layer in model),
+        "step_times": times,
+        "max_abs_diff": max(float((weights[n] - ref[n]).abs().max()) for n in ref),
+    }
+
+
 def measure(args, info) -> dict:
-    """Every run of RUNS at every k of `args.ks`: {"runs": [...], "world_size"} (see above).
-    notebook 08's knobs_demo.py calls it beside the recompute runs, in the same launch."""
+    """Every run of RUNS (none with --only fsdp2) and of FSDP2_RUNS at every k of `args.ks`:
+    {"runs": [...], "fsdp2": [...], "world_size"} (see above). notebook 08's knobs_demo.py
+    calls it beside the recompute runs, in the same launch."""
     def batches(step: int, k: int):  # this rank's rows of global batch `step`, in k parts
         mine = rank_slice(mlp_batch(step, args.batch, args.width, device=info.device),
                           info.rank, info.world_size)
         return list(zip(*(t.chunk(k) for t in mine), strict=True))
 
     ref = reference_weights(args, args.steps + 1, info.device)
-    runs = []
+    runs, fsdp2 = [], []
+    ours = RUNS if args.only == "all" else []
     for k in args.ks:
         start = time.perf_counter()
-        for label, stage, mode, reshard in RUNS:
+        for label, stage, mode, reshard in ours:
             runs.append(run(args, label, stage, mode, reshard, k, batches, ref, info.device))
-        worst = max(r["max_abs_diff"] for r in runs[-len(RUNS):])
-        print(f"k = {k}: {len(RUNS)} runs in {time.perf_counter() - start:.1f} s, "
-              f"weights within {worst:.1e} of one process")
-    return {"runs": runs, "world_size": info.world_size}
+        for label, fwd, bwd in FSDP2_RUNS:
+            fsdp2.append(fsdp2_run(args, label, fwd, bwd, k, batches, ref, info.device))
+        # FSDP2's finished modules sit in reference cycles with storages it freed, which the
+        # next run's PeakMemory (on CPU: every tensor the collector tracks) cannot read
+        gc.collect()
+        worst = max(r["max_abs_diff"] for r in runs + fsdp2 if r["k"] == k)
+        print(f"k = {k}: {len(ours)} + {len(FSDP2_RUNS)} FSDP2 runs in "
+              f"{time.perf_counter() - start:.1f} s, weights within {worst:.1e} of one process")
+    return {"runs": runs, "fsdp2": fsdp2, "world_size": info.world_size}
 
 
 def main() -> None:
