@@ -12,6 +12,8 @@ each rank reported. The package has one home for each side, and shared modules b
     rank side     workers/        the scripts torchrun starts, one per notebook job
     shared        stages/         shard(): stages 0-3 and what they share
                   partition.py    the flat-buffer partition every stage is built on
+                  plain/          ZeRO with nothing else, for reading: the flat partition and
+                                  stages 0-3, one short file each, pinned to stages/ by tests
                   collectives/    ring algorithms, the byte ledger, the cost model, the
                                   direct exchange the stages send on gloo
                   memory.py       PREDICTED bytes: the calculators (formulas, no torch)

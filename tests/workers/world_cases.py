@@ -1,6 +1,7 @@
 """One launch per world size for the case workers: the collectives (N > 1), stages 0-2,
-stage 3, the knobs (recompute and precision, accumulation, hybrid sharding at N = 4) and the
-contract's edges, habits and stage-3 reads (N = 2, 3), each reported under its own key.
+stage 3, the knobs (recompute and precision, accumulation, hybrid sharding at N = 4), the
+contract's edges, habits and stage-3 reads, and the plain reading layer beside shard()
+(N = 2, 3), each reported under its own key.
 
 A launch costs seconds before a rank runs anything (torchrun's agent and every rank import
 torch; 8-12 s at N = 4 on two cores): sharing it saves all of them but one. The parts run in
@@ -22,6 +23,7 @@ import contract_cases
 import contract_habits
 import hsdp_cases
 import overlap_cases
+import plain_cases
 import recompute_cases
 import stage3_reads
 import stage_cases
@@ -39,6 +41,7 @@ PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs 
     "accumulation": (accumulation_cases.run, 2, 3),
     "overlap": (overlap_cases.run, 2),  # shard()'s overlap options; readers at N = 2
     "hsdp": (hsdp_cases.run, 4),  # hybrid sharding on a 2 x 2 mesh
+    "plain": (plain_cases.run, 2, 3),  # zero_lab/plain beside shard() and one process
     "contract": (contract_cases.run, 2, 3),
     # before contract_habits: its lockstep case raises inside opt.step() on the last rank
     # only; that optimizer's step never ends (stages/at_rest.py forgets it once it is gone),
