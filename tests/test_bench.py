@@ -8,6 +8,7 @@ JSON, the markdown table and the figure; every system must have trained the same
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -224,3 +225,42 @@ def test_no_cpu_floor_on_a_gpu():
         r["device"] = "cuda:0"
     s = bench.summarize(ranks, CONFIG)["systems"]["sys"]
     assert "cpu_floor_ms" not in s and s["cpu_ms_per_step"] == [[9.0], [9.0]]
+
+
+def test_ddp_is_built_with_its_defaults(monkeypatch):
+    """DDP races as torch ships it: an explicit `bucket_cap_mb` (even 25, the default's size)
+    turns off its 1 MiB first bucket, so the whole gradient of the bench's 25 MB model would
+    leave in one all-reduce after backward. The arguments `_ddp` passes go through torch
+    2.13's own rule (`_BucketCapacityConfig.create`); building a real DDP would cost 3 s of
+    torch._dynamo imports. (build_zero_redundancy wraps the same `_ddp`.)"""
+    import torch
+    import torch.distributed as dist
+    from torch.nn.parallel import distributed
+
+    from zero_lab.bench_systems import build_ddp
+
+    built = {}
+
+    def recorder(module, **kwargs):
+        built.update(kwargs)
+        return module
+
+    monkeypatch.setattr(torch.nn.parallel, "DistributedDataParallel", recorder)
+    build_ddp(torch.nn.Linear(8, 8), bench.BenchConfig(), torch.device("cpu"))
+    config = distributed._BucketCapacityConfig.create(
+        bucket_cap_mb=built.get("bucket_cap_mb"),
+        bucket_cap_mb_list=built.get("bucket_cap_mb_list"), use_python_reducer=False)
+    assert config.first_bucket_bytes_cap == dist._DEFAULT_FIRST_BUCKET_BYTES, built
+    assert config.bucket_bytes_cap == 25 * 2**20, built  # DDP's default bucket_cap_mb
+
+
+def test_fsdp2s_cpu_times_carry_their_caveat(result):
+    """FSDP2 on gloo runs its reduce-scatter as an all-reduce of a copy: both outputs say its
+    CPU times are no guide to GPUs, in lines a notebook prints whole; on NCCL they do not."""
+    from zero_lab.bench_systems import caveats
+
+    assert result["backend"] == "gloo" and "fsdp2" in result["systems"]
+    for text in (Path(result["paths"]["markdown"]).read_text(), bench.format_targets(result)):
+        assert "FSDP2 on gloo (CPU) is no guide to GPUs" in " ".join(text.split())
+    assert all(len(line) <= 100 for line in caveats(["fsdp2"], "gloo"))
+    assert caveats(["fsdp2"], "nccl") == caveats(["ddp", "stage3"], "gloo") == []

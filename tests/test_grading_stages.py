@@ -176,7 +176,7 @@ def on_grad_ready_returns_none(param, bucket):
 
 def test_bucket_hook_accepts_the_reference(judge, capsys):
     judge("bucket_hook", on_grad_ready)
-    assert "2/2 bucket layouts pass on 3 ranks" in capsys.readouterr().out
+    assert "2/2 layouts pass on 3 ranks" in capsys.readouterr().out
 
 
 def test_bucket_hook_rejects_the_stub():

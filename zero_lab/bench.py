@@ -38,12 +38,11 @@ prefetch is reported as the ratio stage 3 without prefetch / with prefetch, and 
 its default lockstep check (stages/lockstep.py) as stage 3 / stage 3 with
 check_lockstep=False (issue 21 asks for under 1%).
 
-On gloo the stages send their reduce-scatters and all-gathers as a direct exchange of
-point-to-point messages (`zero_lab.collectives.exchange`), because torch 2.13's gloo
-reduce-scatter is an all-reduce of a copy. `stage1_torch` ... `stage3_torch` run the same
-stages through torch's collectives, so the table shows what that choice buys
-("transport_gain"); torch's DDP, ZeroRedundancyOptimizer and FSDP2 always use torch's
-collectives.
+On gloo the stages send their reduce-scatters and all-gathers as a direct exchange
+(`zero_lab.collectives.exchange`): torch 2.13's gloo reduce-scatter is an all-reduce of a copy.
+`stage1_torch` ... `stage3_torch` send through torch's collectives ("transport_gain"), as
+torch's DDP (its defaults), ZeroRedundancyOptimizer and FSDP2 always do: FSDP2's CPU times
+are no guide to GPUs, and both outputs say so (`bench_systems.caveats`).
 
 The systems and how each is built live in `zero_lab.bench_systems` (shared with the rank
 side, `zero_lab/workers/bench_worker.py`); this module is the command and the summary.
@@ -59,7 +58,7 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
-from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, SYSTEMS, BenchConfig
+from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, SYSTEMS, BenchConfig, caveats
 from zero_lab.formatting import spread
 from zero_lab.paths import WORKERS, new_run_dir
 
@@ -197,7 +196,7 @@ def markdown_table(result: dict) -> str:
         "",
         f"Model: {cfg['depth']} x (Linear({cfg['width']}, {cfg['width']}) + ReLU), "
         f"Ψ = {result['n_params']:,} parameters; Adam; {cfg['batch']} rows per rank; "
-        f"buckets {cfg['bucket_mb']} MB; {cfg['rounds']} interleaved rounds of "
+        f"zero_lab's buckets {cfg['bucket_mb']} MB (DDP: its defaults); {cfg['rounds']} rounds of "
         f"{cfg['steps']} steps."
         + (f" Environment: {result['env']}." if result.get("env") else ""),
         "",
@@ -222,7 +221,7 @@ def markdown_table(result: dict) -> str:
         best, fastest = s["best_round_phases_ms"], s["fastest_phases_ms"]
         lines.append(f"| {s['label']} | " + " | ".join(
             f"{best[p]:.1f} ({fastest[p]:.1f})" for p in PHASES) + " |")
-    lines += _cpu_table(result)
+    lines += _cpu_table(result) + ["", *caveats(result["systems"], result["backend"])]
     if result.get("prefetch_gain"):
         lines += ["", f"Stage 3's prefetch: best round without / with = "
                       f"{result['prefetch_gain']:.3f}."]
@@ -363,6 +362,7 @@ def format_targets(result: dict) -> str:
                      f"({s3['lockstep_ms_per_step']:.3f} ms a step inside it, waits included)")
     for stage, gain in (result.get("transport_gain") or {}).items():
         lines.append(f"  {stage} direct-exchange gain (torch's collectives / direct): {gain:.3f}")
+    lines += ["  " + line for line in caveats(result["systems"], result["backend"])]
     return "\n".join(lines)
 
 

@@ -27,7 +27,7 @@ class BenchConfig:
     depth: int = 6
     batch: int = 32  # rows per rank; the global batch is batch x N
     lr: float = 1e-3
-    bucket_mb: float = 25.0  # zero_lab's buckets and DDP's bucket_cap_mb
+    bucket_mb: float = 25.0  # zero_lab's buckets (DDP keeps its own defaults: see _ddp)
     rounds: int = 8
     steps: int = 10  # timed steps per system per round
     warmup: int = 3  # untimed steps per system first (>= 2: DDP rebuilds its buckets on step 2)
@@ -71,10 +71,14 @@ def _unwrapped_weights(ddp) -> Callable[[], dict]:
 
 
 def _ddp(model, config: BenchConfig, device):
+    """DDP as torch ships it. No `bucket_cap_mb`: in torch 2.13 any explicit cap, even 25,
+    also caps the first bucket (`_BucketCapacityConfig.create`), which by default is 1 MiB so
+    that the gradients ready first leave at once. With defaults the bench's 6 x 4 MiB model
+    rebuilds into two buckets (the last Linear's 4.2 MB, then 21 MB); with the cap, one."""
     from torch.nn.parallel import DistributedDataParallel
 
     ids = [device] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, bucket_cap_mb=config.bucket_mb)
+    return DistributedDataParallel(model, device_ids=ids)
 
 
 def build_ddp(model, config: BenchConfig, device) -> Trainer:
@@ -193,6 +197,22 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
              partial(build_zero_lab, stage=s, transport="torch"),
              f"zero_lab st. {s}\ntorch coll.") for s in (1, 2, 3)],
 ]}
+
+
+# What FSDP2's times mean on gloo, printed wherever the bench shows them (bench.py, nb 06).
+FSDP2_ON_GLOO = (
+    "torch FSDP2 on gloo (CPU) is no guide to GPUs: gloo's reduce-scatter is a clone of the "
+    "whole input, an all-reduce and a copy of one chunk (torch 2.13's ProcessGroupGloo), and "
+    "FSDP2's DTensor and copy-in/copy-out overheads weigh heavily on a small CPU model; on "
+    "NCCL it sends a real reduce-scatter.")
+
+
+def caveats(systems, backend: str) -> list[str]:
+    """What a reader of the bench's results must know about these systems on this backend,
+    as lines of at most 100 characters."""
+    from textwrap import wrap
+
+    return wrap(FSDP2_ON_GLOO, 100) if "fsdp2" in systems and backend == "gloo" else []
 
 
 # ---------------------------------------------- a stage's twin that sends nothing (06, 07)

@@ -1,51 +1,35 @@
 """Projections beyond this machine: step time and stage choice on machines we do not have.
 
-The course measures ZeRO on a few CPU ranks over gloo; this module asks what the same
-collectives would cost on real clusters, with the alpha-beta model and the links and
-machines of `interconnect` (published figures) or this machine's own fits (`OpLinks`: each
-collective priced by the transport that really sends it here). Every number it returns is a
-*projection*: ring, hierarchical or direct-exchange collectives on equal links, equal
-buckets, and one overlap rule for every stage (`project_step`). Use it to reason about direction and
-scale (is stage 2 nearly free here? does stage 3 pay off on this link?), never as a
-measurement.
+What the course's collectives would cost on real clusters: the alpha-beta model on the links
+and machines of `interconnect` (published figures) or this machine's fits (`OpLinks`). Every
+number is a *projection* (equal links and buckets, one overlap rule for every stage): use it
+for direction and scale, never as a measurement.
 
     project_step      one training step per stage: communication, its latency and bandwidth
                       terms, the exposed part, the step (step_time.py, re-exported here)
     peak_floor_bytes  what a step holds beyond model states and activations (N divides none)
     candidates        stages 0-3 side by side (memory with a reserve, time), a decision table;
-                      on a Machine of several nodes, stage 3 as HSDP too (sharded inside a
-                      node, replicated across nodes: `project_step(..., replicas=R)`)
-    recommend         the stage to use: fits with the reserve, fastest, ties broken toward
-                      less communication, then more headroom
+                      on several nodes, stage 3 as HSDP too
+    recommend         the stage to use: fits with the reserve, fastest, ties to less traffic
     hybrid_bytes_per_step  what HSDP sends per step, inside the groups and across them
+    flops_per_token   a transformer's training FLOPs a token: weights, attention, recompute
 
-What a projected step is, and what it leaves out
-------------------------------------------------
-`project_step` adds to the compute only *exposed* communication: the time a step waits for
-its collectives with no compute to do. Hidden (overlapped) communication is not free: on
-shared CPU cores gloo's threads take cores from compute; on GPUs NCCL kernels take SMs and
-memory bandwidth, and a collective's time includes waiting for slow peers. So exposed time
-is a lower bound on what communication costs a step, and at ideal overlap (the default,
-`overlap = 1`) the projected step is a lower bound too. At ideal overlap stage 3's exposed
-communication is its first all-gather and its last reduce-scatter, priced at the link's
-peak; the model leaves out SM contention, per-unit launch and copy costs (flattening, copies
-into and out of the collectives' buffers), the lower bandwidth of small messages, and
-waiting for slow peers. A projected overhead of a fraction of a percent is therefore no
-evidence against a measured 10-20%: only a measurement on the cluster decides.
+What a projected step leaves out. `project_step` adds to the compute only *exposed*
+communication: what a step waits for with no compute to do. Hidden communication is not free
+(on shared CPU cores gloo's threads take cores; on GPUs NCCL kernels take SMs and memory
+bandwidth, and a collective's time includes waiting for slow peers), so exposed time, and at
+ideal overlap (`overlap = 1`) the projected step, is a lower bound. There stage 3 exposes
+only its first all-gather and last reduce-scatter, at the link's peak; SM contention,
+per-unit launch and copy costs, small messages' lower bandwidth and slow peers are left out.
+A projected overhead of a fraction of a percent is no evidence against a measured 10-20%.
 
-The compute: `compute_time` counts 6Ψ FLOPs per token (2 forward, 4 backward) at the
-achieved FLOP/s it is given; notebook 07 gives it 40% MFU of an H100's 989 dense bf16
-TFLOP/s. A real step does more: attention adds 12·L·h·s FLOPs per token at sequence length
-s (L layers of width h), and full activation checkpointing repeats the forward, 8Ψ + 16·L·h·s
-in all. Notebook 07 prints the ratio for its decision table (1.4-1.7x at 4,096 tokens).
+The compute (`flops_per_token`): 6Ψ FLOPs a token for the weights, 12·L·h·s for attention
+at sequence length s, plus what checkpointing repeats (full: 8Ψ + 16·L·h·s in all), at an
+assumed `MFU` of an H100's dense bf16 peak on every FLOP done; checked against torchtitan's
+Llama 3.1 8B on 8 H100s (notebook 07, tests/test_projection.py).
 
-How it was checked. On this machine, by construction: the collectives `project_step` prices
-per step, by kind, are the ones the stages' byte ledger counts, and its ring formula's bytes
-are the bytes they send (notebook 07, section 2; `grading/nb07_scaling.py` says how). Its
-times were compared on CPU only, against each stage's twin timed in the same launch, where
-the error is printed, not asserted. The published links and machines (`interconnect`) are
-priced from vendors' figures and have not been checked against a measured GPU step here:
-use them for direction and scale.
+Checked on this machine by construction (the collectives and bytes priced are the ledger's,
+notebook 07 section 2); its times against each stage's twin, the error printed, not asserted.
 """
 
 from __future__ import annotations
@@ -93,6 +77,38 @@ RESERVE_FRACTION = 0.10
 TIE = 0.05
 
 
+# ------------------------------------------------------------------ a transformer's compute
+
+H100_BF16_FLOPS = 989e12  # an H100 SXM's dense bf16 peak, no sparsity (NVIDIA's datasheet)
+MFU = 0.40  # the share of it a step is assumed to sustain, recomputed FLOPs included
+# What checkpointing repeats of the forward: (share of the weights' matmul FLOPs, share of
+# attention's). "selective": torchtitan's op policy recomputes every second matmul (Llama 3
+# 8B: k, o, w3, 37% of the FLOPs; counted as half) and saves attention's output.
+RECOMPUTE = {"none": (0.0, 0.0), "selective": (0.5, 0.0), "full": (1.0, 1.0)}
+
+
+def flops_per_token(n_params: float, n_layers: int, hidden: int, seq_len: int,
+                    recompute: str = "none") -> float:
+    """Training FLOPs a token: 6Ψ for the weights' matmuls (2 forward, 4 backward), 12·L·h·s
+    for attention's Q·Kᵀ and P·V (2·s·h each a layer forward, x3 with backward; the causal
+    mask's saving not counted, as Megatron and torchtitan count), plus what `recompute`
+    repeats (full: 2Ψ + 4·L·h·s, 8Ψ + 16·L·h·s in all). Ψ: the parameters that multiply
+    (an untied input embedding is a lookup)."""
+    if recompute not in RECOMPUTE:
+        raise ValueError(f"recompute must be one of {list(RECOMPUTE)}; got {recompute!r}")
+    matmuls, attention = RECOMPUTE[recompute]
+    return ((6 + 2 * matmuls) * _number("n_params", n_params)
+            + (12 + 4 * attention) * n_layers * hidden * _integer("seq_len", seq_len))
+
+
+def transformer_compute_time(n_params: float, tokens: float, n_layers: int, hidden: int,
+                             seq_len: int, recompute: str = "none",
+                             flops_per_s: float = MFU * H100_BF16_FLOPS) -> float:
+    """Seconds of one rank's forward + backward (+ recompute) on `tokens` tokens."""
+    return (_number("tokens", tokens) * flops_per_token(n_params, n_layers, hidden, seq_len,
+                                                        recompute) / flops_per_s)
+
+
 # ------------------------------------------------------------------ hybrid sharding
 
 
@@ -100,8 +116,7 @@ def hybrid_bytes_per_step(group_numels, stage: int, replicas: int, shards: int,
                           bytes_per_elem: int = 4) -> dict[str, dict[str, int]]:
     """What one rank's collectives carry in one training step on an R x S hybrid layout
     (stages/hybrid.py), per level and op: {"shard": {op: bytes}, "replicate": {op: bytes}},
-    each op's full messages summed as CommLedger.by_level() counts them (nccl-tests' size:
-    the reduce-scatter's input, the all-gather's output).
+    each op's full messages summed as CommLedger.by_level() counts them.
 
     Each flat group (a stage-3 unit, a stage 0-2 bucket) of Ψ_g elements is padded to
     P_g = S·ceil(Ψ_g / S) and sharded over the S ranks of a group:
@@ -122,11 +137,10 @@ def hybrid_bytes_per_step(group_numels, stage: int, replicas: int, shards: int,
 # ------------------------------------------------------------------ choosing a stage
 
 
-# Units (Ψ/buckets elements, in the working precision) a step holds above its model states
-# at its peak, measured in notebook 07's first section (this course's stages, N = 1024, where
-# the states are nearly gone): stage 0 one bucket being all-reduced; stage 1 one unit's
-# gradients in flight; stage 2 a unit's gradients, its bucket copy and the next in flight;
-# stage 3 the unit computed and the one prefetched, their full gradients, one in flight.
+# Units (Ψ/buckets elements, working precision) a step holds above its model states at its
+# peak, measured in notebook 07's section 1 (N = 1024): stage 0 a bucket being all-reduced;
+# stage 1 a unit's gradients in flight; stage 2 a unit's gradients, its bucket copy and the
+# next in flight; stage 3 the unit computed and the one prefetched, their gradients, one more.
 FLOOR_UNITS = {0: 1, 1: 1, 2: 3, 3: 5}
 
 
@@ -157,8 +171,7 @@ class Recommendation:
 
 def hybrid_mesh(world_size: int, link) -> tuple[int, int] | None:
     """HSDP's layout on `link`: (nodes, GPUs per node) when it is a Machine and the N ranks
-    span whole nodes, two or more (the shard group is a node); else None (on one node HSDP
-    is stage 3 itself)."""
+    span two or more whole nodes; else None (on one node HSDP is stage 3 itself)."""
     lk = get_link(link)
     if not isinstance(lk, Machine):
         return None
@@ -173,18 +186,16 @@ def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute
                gather_after_step: bool = False,
                reserve_fraction: float = RESERVE_FRACTION, stages=STAGES,
                hybrid: bool = True) -> list[dict]:
-    """Stages 0-3 (those in `stages`) evaluated side by side, one dict each, for a decision
-    table; with `hybrid` and stage 3 on a Machine of two or more whole nodes, one more row
-    after them: stage 3 as HSDP (`hybrid_mesh`: sharded over each node's GPUs, replicated
-    across the nodes), which holds stage 3's states over S = node_size ranks, not N.
+    """Stages 0-3 (those in `stages`) side by side, one dict each, for a decision table; with
+    `hybrid` on two or more whole nodes of a Machine, one more row: stage 3 as HSDP
+    (`hybrid_mesh`), its states sharded over S = node_size ranks, not N.
 
     Keys: stage, model_state_bytes (`memory.model_state_bytes`, per rank), activation_bytes,
     floor_bytes (`peak_floor_bytes`), per_rank_bytes (their sum), reserve_bytes
     (reserve_fraction x gpu_bytes), headroom_bytes (gpu_bytes - per_rank_bytes),
     fits_memory (headroom >= reserve), step_s, comm_share, volume_psi, collectives (from
-    `project_step`, communicating in the working precision), meets_time (step_s <=
-    max_step_s, True without a budget), mesh (None, or HSDP's (replicas, shards)),
-    network_bytes (what one GPU sends over the network per step).
+    `project_step`, in the working precision), meets_time (step_s <= max_step_s), mesh
+    (None, or HSDP's (replicas, shards)), network_bytes (one GPU's, over the network).
     """
     _number("n_params", n_params)
     _integer("world_size", world_size)
@@ -221,8 +232,7 @@ def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute
 
 
 def _menu(stages) -> tuple[int, ...]:
-    """The stages a framework offers (FSDP2: (0, 3), with hybrid sharding), checked: stage 3,
-    the one that fits last, must be among them."""
+    """The stages a framework offers (FSDP2: (0, 3)), checked: 3 must be among them."""
     try:
         menu = tuple(sorted({_stage(s) for s in stages}))
     except TypeError:
@@ -260,8 +270,7 @@ def _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision, op
 
     In closed form: at stage 3 a rank holds bytes_per_param x ceil(Ψ/N) bytes of states
     (memory.model_state_bytes), which fit in `room` exactly when ceil(Ψ/N) <= m, the whole
-    parameters the room holds, that is when N >= ceil(Ψ/m). (Stepping N up one rank at a
-    time from an estimate took 50 s for 1e7 parameters when the room held only a few.)
+    parameters the room holds, that is when N >= ceil(Ψ/m).
     """
     flat3 = next(r for r in rows if r["stage"] == 3 and r["mesh"] is None)
     room = gpu_bytes * (1 - reserve_fraction) - flat3["activation_bytes"] - flat3["floor_bytes"]
@@ -323,20 +332,16 @@ def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_
     1. A stage fits if one rank's states + activations + peak floor leave the reserve
        (reserve_fraction of the GPU) free, and meets max_step_s if given.
     2. Stage 3 on several nodes of a Machine runs as HSDP (`hybrid`, `hybrid_mesh`) when
-       that fits and is no slower: its all-gathers stay inside the node, and it sends a
-       third less over the network than flat stage 3 (the all-reduce of each rank's 1/S
-       slice of the gradients, where flat stage 3 also all-gathers across nodes twice).
+       that fits and is no slower: its all-gathers stay inside the node.
     3. Of those, every stage whose projected step is within TIE (5%) of the fastest ties:
        the projection cannot tell them apart.
     4. Ties go to less communication (the paper's volume: 2Ψ before 3Ψ; then fewer
        collectives per step: stage 0's one all-reduce per bucket before a reduce-scatter
        and an all-gather the next forward waits for), then to more headroom.
-    So: stage 0 while the model fits replicated, stage 2 when it does not (it ties stage 1
-    and holds less, and sends over the network what HSDP sends, with a pass less inside the
-    node), stage 3 when only it fits, as HSDP if a node holds its states. `stages` is the
-    menu (e.g. (0, 3): what FSDP2 offers, DDP and fully_shard); it must include 3. If no
-    stage fits in memory: stage 3 with fits=False and what would fit; if some fit but none
-    is fast enough, the fastest that fits.
+    So: stage 0 while the model fits replicated, stage 2 when it does not, stage 3 when only
+    it fits, as HSDP if a node holds its states. `stages` is the menu (e.g. (0, 3): what
+    FSDP2 offers); it must include 3. If nothing fits: stage 3 with fits=False and what
+    would fit; if some fit but none is fast enough, the fastest that fits.
     """
     rows = candidates(n_params, gpu_bytes, world_size, link, compute_s, precision, optimizer,
                       activation_bytes, max_step_s, buckets=buckets, overlap=overlap,

@@ -15,7 +15,7 @@ reference solution fenced by `### BEGIN SOLUTION` / `### END SOLUTION`; the next
     nb04_zero2.py       stage 2: the bucketed gradient hook (3 ranks)
     nb05_zero3.py       stage 3: materialize/release, the post-backward reduce-scatter (3 ranks)
     nb06_profiler.py    reading a trace: exposed communication, the most exposed unit
-    nb07_scaling.py     choosing a stage and a world size for a model and a cluster
+    nb07_scaling.py     from how many GPUs each stage fits (what turns a stage choice)
     nb08_knobs.py       bytes per optimizer step under accumulation; HSDP's bytes per level
 
 This is the parent side: it starts the rank scripts in zero_lab/workers/, never imports them;
