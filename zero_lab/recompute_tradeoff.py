@@ -2,8 +2,9 @@
 
 Recompute (activation checkpointing per layer, `shard(..., checkpoint_activations=True)`)
 trades FLOPs for memory: a layer keeps only its input, 2·s·b·h bytes instead of 34·s·b·h
-(zero_lab.memory.activation_bytes_per_layer), and pays one more forward: 8Ψ FLOPs per token
-instead of 6Ψ (forward 2Ψ, backward 4Ψ, recompute 2Ψ), a third more compute. ZeRO stage 3
+(zero_lab.memory.activation_bytes_per_layer), and pays one more forward: 8Ψ + 16·L·h·s
+FLOPs per token instead of 6Ψ + 12·L·h·s (forward 2Ψ, backward 4Ψ, recompute 2Ψ, and
+attention's share; `projection.flops_per_token`), about a third more compute. ZeRO stage 3
 frees model-state memory instead, for 1.5x the bytes. On a GPU of a given size the two meet:
 a stage that does not shard the parameters may need recompute to fit, where stage 3 fits
 without it and runs a quarter fewer FLOPs.
@@ -21,11 +22,6 @@ from __future__ import annotations
 from zero_lab import memory, projection
 
 STAGES = (0, 1, 2, 3)
-
-
-def flops_per_token(n_params: float, recompute: bool) -> float:
-    """Training FLOPs per token: 6Ψ (Kaplan et al. 2020), 8Ψ with every layer recomputed."""
-    return (8 if recompute else 6) * n_params
 
 
 def per_rank_peak(n_params: float, stage: int, world_size: int, n_layers: int, seq_len: int,
