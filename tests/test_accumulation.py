@@ -137,8 +137,9 @@ def test_shard_refuses_settings_that_make_no_sense():
         refusals["mode_unknown"]
     assert "reshard_after_forward applies to stage 3 only, not stage 2" in \
         refusals["reshard_at_stage_2"]
-    assert refusals["reshard_int"].startswith("TypeError: reshard_after_forward must be True "
-                                              "or False, got 2")
+    assert refusals["reshard_int"].startswith(  # at N = 2: no group between 1 and N
+        "ValueError: reshard_after_forward=2 must divide the world size 2 and lie strictly "
+        "between 1 and 2")
     for key, setting in (("ranks_disagree", "grad_accumulation"),
                          ("ranks_disagree_reshard", "reshard_after_forward")):
         assert f"the ranks called shard() differently: rank 1 has {setting}" in refusals[key]
@@ -148,7 +149,9 @@ def test_shard_refuses_settings_that_make_no_sense():
     (0, {"grad_accumulation": "unsharded"}, "stages 2 and 3 only"),
     (3, {"grad_accumulation": "sum"}, "must be one of"),
     (1, {"reshard_after_forward": False}, "stage 3 only"),
-    (3, {"reshard_after_forward": 0}, "True or False"),
+    (3, {"reshard_after_forward": 0}, "at least 2"),
+    (3, {"reshard_after_forward": "2"}, "True, False or an int"),
+    (2, {"reshard_after_forward": 2}, "stage 3 only"),
 ])
 def test_accumulation_arguments_are_checked_before_any_collective(stage, options, words):
     settings = {"grad_accumulation": "sharded", "reshard_after_forward": True, **options}

@@ -13,6 +13,8 @@ timeline, held bytes, live tensors after the step), inference, and refusals.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 from common import (
     WORLD_SIZES,
@@ -117,7 +119,8 @@ def test_gradients_are_final_when_backward_returns(ranks):
 
 def test_inference_leaves_nothing_gathered(ranks):
     """no_grad, and eval mode with grad enabled but no backward: outputs equal one process's,
-    one all-gather per unit call (the shared layer runs twice), nothing else, nothing left."""
+    one all-gather per unit call (the shared layer runs twice) and one per frozen part (the
+    root's frozen Linear, gathered with it), nothing else, nothing left."""
     n, reports = ranks
     for rep in reports:
         inf = rep["inference"]
@@ -125,7 +128,8 @@ def test_inference_leaves_nothing_gathered(ranks):
             r = inf[mode]
             assert r["error"] <= 1e-6, (mode, r)
             assert r["gathered_after"] == 0 and r["busy_units"] == 0, (mode, r)
-            assert r["all_gathers"] == 2 * (inf["n_units"] + 1), (mode, r)
+            assert inf["n_frozen_parts"] == 1
+            assert r["all_gathers"] == 2 * (inf["n_units"] + 1 + inf["n_frozen_parts"]), (mode, r)
             assert r["other_ops"] == [], (mode, r)
 
 
@@ -135,7 +139,9 @@ def test_inference_leaves_nothing_gathered(ranks):
 def test_two_all_gathers_and_one_reduce_scatter_per_unit_per_step(ranks):
     """Each unit's padded flat buffer is all-gathered twice (forward, backward) and its
     gradient reduce-scattered once per step: 3Ψ. Nested's `shared` layer runs twice in
-    forward, so it is gathered once more. No all-reduce, no broadcast."""
+    forward, so it is gathered once more. A unit's frozen parameters (Nested's frozen Linear,
+    in the root unit) are all-gathered with it and never reduce-scattered. No all-reduce, no
+    broadcast."""
     n, reports = ranks
     for c in reports[0]["cases"]:
         if c["blog_bug"]:
@@ -143,12 +149,15 @@ def test_two_all_gathers_and_one_reduce_scatter_per_unit_per_step(ranks):
             continue
         unit_bytes = [p * c["element_size"] for p in c["unit_padded"]]
         extra = [b for name, b in zip(c["units"], unit_bytes, strict=True) if name == "shared"]
-        assert c["all_gather_sizes"] == sorted(2 * unit_bytes + extra), c["name"]
+        frozen = [f * c["element_size"] for f in c["frozen_padded"] if f]
+        assert len(frozen) == (c["n_frozen"] > 0), c["name"]
+        assert c["all_gather_sizes"] == sorted(2 * unit_bytes + extra + 2 * frozen), c["name"]
         assert c["reduce_scatter_sizes"] == sorted(unit_bytes), c["name"]
         assert c["other_ops"] == [], c["name"]
         assert c["in_backward"] == ["all_gather", "reduce_scatter"], c["name"]
         # against the paper's 3Ψ on the unpadded parameters: padding is < N per unit
-        volume = sum(c["all_gather_sizes"]) + sum(c["reduce_scatter_sizes"]) - sum(extra)
+        volume = (sum(c["all_gather_sizes"]) + sum(c["reduce_scatter_sizes"]) - sum(extra)
+                  - 2 * sum(frozen))
         paper = 3 * c["element_size"] * c["n_trainable"]
         assert 0 <= volume - paper < 3 * c["element_size"] * len(unit_bytes) * n, c["name"]
         assert c["gathered_after"] == 0, c["name"]
@@ -181,7 +190,9 @@ def test_held_bytes_are_16_psi_over_n(ranks):
         for c in rep["cases"]:
             per_elem = memory.bytes_per_param(c["precision"], c["optimizer"])
             held, s = c["held_after_backward"], c["shard_numel"]
-            assert held["params"] == per_elem["params"] * s + 4 * c["n_frozen"], c["name"]
+            # frozen parameters: this rank's slice of them (fp32 here), not the whole
+            assert c["frozen_at_rest"] == 4 * math.ceil(c["n_frozen"] / n), c["name"]
+            assert held["params"] == per_elem["params"] * s + c["frozen_at_rest"], c["name"]
             assert held["grads"] == per_elem["grads"] * s, c["name"]
             if c["torch_optimizer"]:  # states for the local pieces, no padding
                 assert held["optimizer"] == per_elem["optimizer"] * c["local_param_numels"]

@@ -25,6 +25,7 @@ import hsdp_cases
 import overlap_cases
 import plain_cases
 import recompute_cases
+import reshard_int_cases
 import stage3_reads
 import stage_cases
 import zero3_cases
@@ -41,6 +42,7 @@ PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs 
     "accumulation": (accumulation_cases.run, 2, 3),
     "overlap": (overlap_cases.run, 2),  # shard()'s overlap options; readers at N = 2
     "hsdp": (hsdp_cases.run, 4),  # hybrid sharding on a 2 x 2 mesh
+    "reshard_int": (reshard_int_cases.run, 4),  # reshard_after_forward=2 at stage 3
     "plain": (plain_cases.run, 2, 3),  # zero_lab/plain beside shard() and one process
     "contract": (contract_cases.run, 2, 3),
     # before contract_habits: its lockstep case raises inside opt.step() on the last rank

@@ -161,6 +161,9 @@ def run_case(c: dict, rank: int, world: int) -> dict:
         "n_frozen": W.count_parameters(ref) - W.count_parameters(ref, trainable_only=True),
         "unit_numels": [u.group.numel for u in units],
         "unit_padded": [u.group.padded_numel for u in units],
+        # frozen parameters, sharded with their unit (units.FrozenPart; 0: none)
+        "frozen_padded": [u.frozen.group.padded_numel if u.frozen else 0 for u in units],
+        "frozen_at_rest": sum(u.frozen.local.nbytes for u in units if u.frozen),
         "shard_numel": sum(u.group.shard_numel for u in units),
         "stepped_numel": sum(piece.numel for piece in opt.pieces) if not c["torch_optimizer"]
         else None,
@@ -234,6 +237,7 @@ def inference(rank: int, world: int) -> dict:
                      "all_gathers": ledger.count("all_gather"),
                      "other_ops": sorted({r.op for r in ledger.records} - {"all_gather"})}
     out["n_units"] = len(opt.sync.units)
+    out["n_frozen_parts"] = sum(u.frozen is not None for u in opt.sync.units)
     out["shared_calls"] = 2  # Nested applies `shared` twice per forward
     return out
 

@@ -6,7 +6,8 @@ A piece is elements [start, start + numel) of one parameter, flattened: a parame
 
 Who writes what: a group that is sharded is written by every rank (each its slice); a group
 held whole on every rank (stage 0, a replicated stage-3 root) only by rank 0, as are buffers
-and frozen parameters.
+and frozen parameters (those stage 3 shards all-gathered first, on every rank, and loaded
+back as each rank's piece: `frozen_full`, `frozen_pieces`).
 """
 
 from __future__ import annotations
@@ -117,11 +118,47 @@ def trainable(opt) -> dict[str, torch.nn.Parameter]:
             for name, p in zip(group.names, group.params, strict=True)}
 
 
-def others(model: nn.Module, opt) -> dict[str, torch.Tensor]:
-    """Buffers and frozen parameters (whole on every rank), by state-dict name."""
+def others(model: nn.Module, opt, full: dict | None = None) -> dict[str, torch.Tensor]:
+    """Buffers and frozen parameters (whole on every rank), by state-dict name. A frozen
+    parameter stage 3 shards (frozen_pieces) is its full value from `full` (`frozen_full`),
+    or without it a tensor of its full shape and dtype on the meta device (no data)."""
     params = {id(p) for p in trainable(opt).values()}
-    return {name: t for name, t in model.state_dict(keep_vars=True).items()
-            if id(t) not in params}
+    frozen = frozen_pieces(model, opt)
+    out = {}
+    for name, t in model.state_dict(keep_vars=True).items():
+        if id(t) in params:
+            continue
+        if name in frozen:
+            p, _, _, shape = frozen[name]
+            t = full[id(p)] if full is not None else torch.empty(shape, dtype=p.dtype,
+                                                                 device="meta")
+        out[name] = t
+    return out
+
+
+def frozen_full(opt) -> dict[int, torch.Tensor]:
+    """{id(parameter): full value} of the frozen parameters stage 3 shards: all-gathers,
+    call it on every rank ({} at stages 0-2)."""
+    gather = getattr(opt.sync, "full_frozen", None)
+    return gather() if gather is not None else {}
+
+
+def frozen_pieces(model: nn.Module, opt) -> dict[str, tuple]:
+    """Stage 3's sharded frozen parameters by state-dict name: (parameter, [a, b) of its
+    flattened full value that this rank's piece holds, full shape)."""
+    by_id = {}
+    for unit in getattr(opt.sync, "units", None) or []:
+        if unit.frozen is None:
+            continue
+        group = unit.frozen.group
+        lo, hi = group.shard_range(group.rank)
+        for i, p in enumerate(group.params):
+            start = group.offsets[i]
+            a = min(max(lo - start, 0), group.numels[i])
+            b = max(min(hi - start, group.numels[i]), a)
+            by_id[id(p)] = (p, a, b, tuple(group.shapes[i]))
+    return {name: by_id[id(t)] for name, t in model.state_dict(keep_vars=True).items()
+            if id(t) in by_id}
 
 
 def aliases(model: nn.Module, opt) -> dict[str, str]:

@@ -123,6 +123,7 @@ def _read(model, opt, directory: Path, manifest: dict, weights_only: bool, state
         matches = groups_.match_groups(str(directory / MANIFEST), manifest, groups)
     reader = Reader(directory, manifest)
     new: dict = {"others": {name: reader.other(name) for name in others}, "buffers": others,
+                 "frozen": layout.frozen_pieces(model, opt),
                  "matches": matches,
                  "reader": reader, "homes": [], "masters": None, "states": None, "extras": {}}
     new["homes"] = [_filled(reader, group, base, home) for group, (home, base)
@@ -167,4 +168,8 @@ def _overwrite(opt, new: dict) -> None:
                 for key, value in new["settings"][j].items():
                     group[key] = tuple(value) if isinstance(group.get(key), tuple) else value
         for name, t in new["buffers"].items():
-            t.copy_(new["others"][name])
+            if name in new["frozen"]:  # stage 3 shards it: this rank's piece
+                p, a, b, _ = new["frozen"][name]
+                p.data.copy_(new["others"][name].reshape(-1)[a:b])
+            else:
+                t.copy_(new["others"][name])

@@ -121,6 +121,7 @@ def save(model, optimizer, directory: Path | str, step: int | None = None,
         # 2. Each rank writes what it holds, and forces it to disk.
         tensors, pieces, groups = {}, [], {}
         group_of = {id(t): k for k, pg in enumerate(opt.optim.param_groups) for t in pg["params"]}
+        full_frozen = layout.frozen_full(opt)  # stage 3's frozen pieces, whole (every rank)
         file = f"rank{rank}.safetensors"
 
         def keep(kind: str, span: layout.Span, state: str | None = None) -> None:
@@ -140,7 +141,7 @@ def save(model, optimizer, directory: Path | str, step: int | None = None,
                 if id(view) in group_of:
                     groups[opt.sync.groups[pc.group].names[pc.param]] = group_of[id(view)]
             if rank == 0:
-                for name, t in layout.others(model, opt).items():
+                for name, t in layout.others(model, opt, full_frozen).items():
                     keep("other", layout.Span(name, 0, t.numel(), t))
             mine["files"][file] = _write(partial / file, lambda p: save_file(tensors, str(p)))
             tensors.clear()  # the copies, freed before the extras and the manifest

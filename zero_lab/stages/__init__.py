@@ -40,7 +40,11 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.partition import make_flat_groups
-from zero_lab.stages.accumulation import check_accumulation_arguments, install_no_sync
+from zero_lab.stages.accumulation import (
+    check_accumulation_arguments,
+    check_reshard_size,
+    install_no_sync,
+)
 from zero_lab.stages.agreement import check_ranks_agree
 from zero_lab.stages.buffers import BufferSync
 from zero_lab.stages.ddp import DataParallel
@@ -65,7 +69,7 @@ from zero_lab.stages.sharded_optimizer import (
     refuse_outside_optimizers,
 )
 from zero_lab.stages.torch_clipping import route_torch_clipping
-from zero_lab.stages.units import make_units
+from zero_lab.stages.units import attach_post_forward_groups, make_units
 from zero_lab.stages.zero1 import Zero1, ZeroRedundancyOptimizer
 from zero_lab.stages.zero2 import Zero2
 from zero_lab.stages.zero3 import Zero3
@@ -101,7 +105,7 @@ def shard(
     keep_fp32: Sequence[type] = (),
     reduce_dtype: torch.dtype | None = None,
     grad_accumulation: str = "sharded",
-    reshard_after_forward: bool = True,
+    reshard_after_forward: bool | int = True,
     mesh=None,
     overlap_param_gather: bool | None = None,
     overlap_grad_reduce: bool | None = None,
@@ -153,7 +157,9 @@ def shard(
     (a full gradient held until the backward that sends: one reduce-scatter per step).
     `reshard_after_forward` (stage 3, FSDP2's name): False keeps each unit gathered from its
     forward to its backward, and across micro-batches under no_sync (2Ψ per step instead of
-    3Ψ, full parameters resident; zero3.py).
+    3Ψ, full parameters resident; zero3.py); an int d (a divisor of N, 1 < d < N) keeps
+    1/d of each unit after forward, so backward's all-gather runs inside a group of d
+    consecutive ranks (one node, say) instead of all N.
     `mesh=(R, S)` (or a 2-D torch
     DeviceMesh, dimensions (replicate, shard), as FSDP2's `fully_shard(model, mesh=...)`
     takes): hybrid sharding (hybrid.py), R groups of S ranks, sharded inside a group and
@@ -181,6 +187,7 @@ def shard(
     check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
                      unit_classes, find_unused_parameters, check_order, root_params)
     check_accumulation_arguments(stage, grad_accumulation, reshard_after_forward)
+    check_reshard_size(reshard_after_forward, dist.get_world_size(), mesh)
     overlap_param_gather, overlap_grad_reduce = check_overlap(
         stage, zero1_variant, overlap_param_gather, overlap_grad_reduce, overlap_step)
     if not isinstance(broadcast_buffers, bool):
@@ -225,6 +232,8 @@ def shard(
         units, masters = make_units(model, unit_classes, transport, compute_dtype,
                                     replicate_root=root_params == "replicate",
                                     keep_fp32=keep_fp32, mesh=layout)
+        if not isinstance(reshard_after_forward, bool):  # backward gathers over d ranks
+            attach_post_forward_groups(units, reshard_after_forward)
         groups = [unit.group for unit in units]
     else:
         element_size = compute_dtype.itemsize if compute_dtype else 4  # of the gradients
@@ -253,17 +262,18 @@ def shard(
             group.__class__ = ReducedInFp32
 
     # 2. What is not in a flat group (frozen parameters, buffers) stays whole on every rank,
-    #    also from rank 0.
+    #    also from rank 0; stage 3 shards the frozen parameters of its units (units.py).
+    laid_out = {id(p) for group in groups for p in group.params}
+    if stage == 3:
+        laid_out |= {id(p) for unit in units if unit.frozen for p in unit.frozen.group.params}
     with torch.no_grad():
         for p in model.parameters():
-            if not p.requires_grad:
+            if not p.requires_grad and id(p) not in laid_out:
                 dist.broadcast(p.data, src=0)
         for buf in model.buffers():
             dist.broadcast(buf, src=0)
     if compute_dtype:
-        to_compute_dtype(model, compute_dtype,
-                         skip={id(p) for group in groups for p in group.params},
-                         keep_fp32=keep_fp32)
+        to_compute_dtype(model, compute_dtype, skip=laid_out, keep_fp32=keep_fp32)
 
     # 3. The stage's gradient path (hooks, collectives), and the optimizer on what it updates.
     sync: GradientSync

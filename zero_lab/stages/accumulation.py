@@ -142,7 +142,7 @@ def refuse_unsynced_step() -> None:
 
 
 def check_accumulation_arguments(stage: int, grad_accumulation: str,
-                                 reshard_after_forward: bool) -> None:
+                                 reshard_after_forward: bool | int) -> None:
     """shard()'s refusals for the two settings (stage is already checked)."""
     if grad_accumulation not in GRAD_ACCUMULATION:
         raise ValueError(f"grad_accumulation must be one of {GRAD_ACCUMULATION}, got "
@@ -152,11 +152,33 @@ def check_accumulation_arguments(stage: int, grad_accumulation: str,
             f"grad_accumulation applies to stages 2 and 3 only, not stage {stage}: stages 0 "
             "and 1 keep a full gradient buffer anyway, so under model.no_sync() they always "
             "accumulate into it and communicate once")
-    if not isinstance(reshard_after_forward, bool):
+    if not isinstance(reshard_after_forward, int):
         raise TypeError(
-            f"reshard_after_forward must be True or False, got {reshard_after_forward!r} "
-            "(FSDP2's int form, resharding to a smaller group after forward, is not offered)")
+            f"reshard_after_forward must be True, False or an int (FSDP2's: the size of the "
+            f"group to reshard to after forward), got {reshard_after_forward!r}")
+    if not isinstance(reshard_after_forward, bool):
+        if stage != 3:
+            raise ValueError(f"reshard_after_forward={reshard_after_forward} applies to "
+                             f"stage 3 only, not stage {stage}")
+        if reshard_after_forward < 2:
+            raise ValueError(f"reshard_after_forward as an int is the size of the group to "
+                             f"reshard to after forward, at least 2; got {reshard_after_forward}")
     if not reshard_after_forward and stage != 3:
         raise ValueError(
             f"reshard_after_forward applies to stage 3 only, not stage {stage}: stages 0-2 "
             "keep full parameters on every rank, there is nothing to reshard")
+
+
+def check_reshard_size(reshard_after_forward: bool | int, world: int, mesh) -> None:
+    """The int form of reshard_after_forward (zero3.py): a divisor of the world size, strictly
+    between 1 and it (FSDP2's rule), on a 1-D world."""
+    if isinstance(reshard_after_forward, bool):
+        return
+    d = reshard_after_forward
+    if not 1 < d < world or world % d:
+        raise ValueError(f"reshard_after_forward={d} must divide the world size {world} and "
+                         f"lie strictly between 1 and {world} (FSDP2's rule): after forward "
+                         "each unit is resharded over groups of that many consecutive ranks")
+    if mesh is not None:
+        raise ValueError("reshard_after_forward as an int is not supported with a mesh: the "
+                         "post-forward groups would have to lie inside the shard groups")

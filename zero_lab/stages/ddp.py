@@ -29,6 +29,7 @@ from torch import nn
 
 from zero_lab.partition import FlatParamGroup
 from zero_lab.stages.gradient_sync import GradientSync
+from zero_lab.stages.mixed_precision import install_fresh_start, land_wide, reduces_wide
 
 
 class DataParallel(GradientSync):
@@ -46,7 +47,9 @@ class DataParallel(GradientSync):
             step_param = nn.Parameter(group.flat, requires_grad=False)
             step_param.grad = grad
             self.step_params.append(step_param)
-        self._in_flight: list[dist.Work] = []
+        # (group, its all-reduce in flight, the fp32 buffer it reduces or None)
+        self._in_flight: list[tuple[int, dist.Work, torch.Tensor | None]] = []
+        install_fresh_start(self)  # reduce_dtype=float32: accumulation in fp32
 
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
         self.adopt_grad(g, i, param)
@@ -56,20 +59,26 @@ class DataParallel(GradientSync):
         self.adopt_grads(g, self.grad_views[g])
         if self.defers():  # no_sync: the gradient stays in the buffer, summed locally
             return
-        work = self.groups[g].all_reduce(self.grad_buffers[g], async_op=True)
-        self._in_flight.append(work)
+        # reduce_dtype=float32: the buffer widened, reduced and kept in fp32 (land_wide)
+        wide = self.grad_buffers[g].float() if reduces_wide(self, g) else None
+        work = self.groups[g].all_reduce(self.grad_buffers[g] if wide is None else wide,
+                                         async_op=True)
+        self._in_flight.append((g, work, wide))
+
+    def _land_all(self) -> None:
+        for g, work, wide in self._in_flight:
+            work.wait()
+            if wide is not None:
+                land_wide(self, g, wide, self.grad_buffers[g])
+        self._in_flight.clear()
 
     def on_backward_end(self) -> None:
-        for work in self._in_flight:
-            work.wait()
-        self._in_flight.clear()
+        self._land_all()
         for step_param, grad in zip(self.step_params, self.grad_buffers, strict=True):
             step_param.grad = grad  # the averaged gradients (None since a zero_grad)
 
     def on_backward_abandoned(self) -> None:
-        for work in self._in_flight:
-            work.wait()
-        self._in_flight.clear()
+        self._land_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.zero_grad_buffers(set_to_none)

@@ -122,6 +122,9 @@ class GradientSync(InFlightWork):
         self.backwards_since_step = 0  # in the lockstep check's fingerprint
         self._arrived_unsynced: list[list[bool]] | None = None  # find_unused, under no_sync
         self.init_in_flight()  # overlap (in_flight_work.py): nothing in flight yet
+        # reduce_dtype=float32 (mixed_precision.land_wide): per 16-bit group, the fp32 average
+        # the optimizer steps on; `.grad` shows its rounding. None: none since zero_grad.
+        self.main_grads: list[torch.Tensor | None] = [None] * len(groups)
         self._hook_handles: list = []
         for g, group in enumerate(groups):
             for i, p in enumerate(group.params):
@@ -232,9 +235,10 @@ class GradientSync(InFlightWork):
         return not self._syncing
 
     def drop_unsynced(self) -> None:
-        """zero_grad(): what was accumulated under no_sync is gone with the gradients."""
+        """zero_grad(): what no_sync accumulated is gone with the gradients (and main_grads)."""
         self.unsynced = False
         self._arrived_unsynced = None
+        self.main_grads = [None] * len(self.groups)
 
     def _refuse_unfrozen(self) -> None:
         unfrozen = [name for name, p in self.frozen if p.requires_grad]

@@ -13,8 +13,18 @@ parameter in W (under any of its names, a tied weight has several):
 - checks W's tensor has the shape the model was written with (refused, named, if not);
 - writes the elements of it that this rank's master holds into the master (mixed precision);
 - at stage 3 hands torch this rank's piece of it instead of the whole, so torch's own copy
-  fills the piece (and its checks on missing or unexpected keys still hold).
+  fills the piece (and its checks on missing or unexpected keys still hold); the same for a
+  frozen parameter stage 3 shards.
 Every rank loads the same W, so the flat buffers of stages 0-2 stay identical on all ranks.
+
+In mixed precision, `model.state_dict()` at stage 0 holds the fp32 masters (every rank has
+them whole), as FSDP2's `state_dict()` holds its fp32 parameters under a
+MixedPrecisionPolicy, so `model.load_state_dict(model.state_dict())` changes nothing. At
+stages 1-2 a rank holds masters for its slice only: `state_dict()` holds the 16-bit
+parameters (as DeepSpeed's ZeRO-1/2 module does; `full_state_dict(model)` gathers the fp32
+masters), and loading a 16-bit value that is the rounding of the master leaves the master
+as it is (it carries no more than the master's rounding), so the round trip is exact there
+too; any other value, or an fp32 one, is written into the master as given.
 
 `model.state_dict()` at stage 3 would return this rank's 1-D pieces under the parameters'
 names: a file saved from it cannot be loaded anywhere else. FSDP2 returns DTensors that know
@@ -46,8 +56,21 @@ def route_loading(model: nn.Module, sync: GradientSync,
     model.register_load_state_dict_pre_hook(partial(_load_into_every_copy, sync, masters,
                                                     names))
     if sync.stage == 3:
+        # Frozen parameters stage 3 shards (units.FrozenPart): W's value, this rank's piece.
+        frozen = {id(p): (unit.frozen.group, i) for unit in sync.units if unit.frozen
+                  for i, p in enumerate(unit.frozen.group.params)}
+        model.register_load_state_dict_pre_hook(partial(
+            _load_frozen_pieces, {name: frozen[id(t)] for name, t
+                                  in model.state_dict(keep_vars=True).items()
+                                  if id(t) in frozen}))
         for module in model.modules():  # a submodule's state_dict() too
-            module.register_state_dict_post_hook(partial(_refuse_pieces, set(trainable)))
+            module.register_state_dict_post_hook(partial(_refuse_pieces,
+                                                         set(trainable) | set(frozen)))
+    elif sync.stage == 0 and masters is not None:  # every rank holds the whole masters
+        views = {id(p): view for g, group in enumerate(sync.groups)
+                 for p, view in zip(group.params, group.views(masters[g]), strict=True)}
+        for module in model.modules():
+            module.register_state_dict_post_hook(partial(_masters_instead, views))
 
 
 @torch.no_grad()
@@ -70,10 +93,31 @@ def _load_into_every_copy(sync: GradientSync, masters: list[torch.Tensor] | None
         if masters is not None:  # the elements of this parameter the master holds
             a, b = max(start, lo), min(end, hi)
             if a < b:
-                masters[g][a - lo:b - lo].copy_(flat[a - start:b - start])
+                master, src = masters[g][a - lo:b - lo], flat[a - start:b - start]
+                if src.dtype != master.dtype:  # 16-bit values: the rounding of the master
+                    src = torch.where(master.to(src.dtype) == src, master, src.to(master.dtype))
+                master.copy_(src)
         if sync.stage == 3 and sharded:  # torch copies this rank's piece into the parameter
             a, b = max(start, lo), min(end, hi)
             state_dict[key] = flat[a - start:b - start] if a < b else flat[:0]
+
+
+@torch.no_grad()
+def _load_frozen_pieces(names: dict, module: nn.Module, state_dict: dict, prefix: str,
+                        *_args) -> None:
+    for name, (group, i) in names.items():
+        key = prefix + name
+        if key not in state_dict:
+            continue
+        value = state_dict[key]
+        if tuple(value.shape) != tuple(group.shapes[i]):
+            raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)} in the "
+                             f"state dict, the model's is {tuple(group.shapes[i])}")
+        start, end = group.offsets[i], group.offsets[i] + group.numels[i]
+        lo, hi = group.shard_range(group.rank)
+        a, b = max(start, lo), min(end, hi)
+        flat = value.detach().reshape(-1)
+        state_dict[key] = flat[a - start:b - start] if a < b else flat[:0]
 
 
 def _refuse_pieces(trainable: set[int], module: nn.Module, state_dict: dict, prefix: str,
@@ -87,3 +131,14 @@ def _refuse_pieces(trainable: set[int], module: nn.Module, state_dict: dict, pre
                 "into the model anywhere else. For the full weights call "
                 "zero_lab.stages.full_state_dict(model) on every rank (identical on all); to "
                 "save and resume, zero_lab.checkpoint.save(model, opt, directory) on every rank")
+
+
+def _masters_instead(views: dict[int, torch.Tensor], module: nn.Module, state_dict: dict,
+                     prefix: str, _metadata) -> None:
+    """Stage 0 in mixed precision: a trainable parameter's entry is its fp32 master (FSDP2's
+    state_dict holds the fp32 parameters too), not the 16-bit copy the model computes with;
+    keep_vars=True still gives the Parameter objects."""
+    for name, p in module._parameters.items():
+        key = prefix + name
+        if p is not None and id(p) in views and key in state_dict and state_dict[key] is not p:
+            state_dict[key] = views[id(p)].detach()

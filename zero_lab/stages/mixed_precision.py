@@ -31,18 +31,24 @@ A precision *policy* refines the recipe in two ways, as torch FSDP2's MixedPreci
   FSDP2's separate fully_shard call on the norm) of their own. The policy is per module,
   not per parameter: one op mixing a 16-bit weight with an fp32 bias of the same module
   would fail.
-- `reduce_dtype=torch.float32`: gradients are reduced in fp32 (FSDP2's reduce_dtype):
-  the 16-bit gradient buffer is widened before the collective (4 bytes an element on the
-  wire, the ledger's count) and the average rounded once into the 16-bit gradient slice.
-  Summing N 16-bit gradients on the way rounds at every partial sum; in fp32 the sum is
-  rounded once. (FSDP2 keeps the fp32 average as the master's gradient; here the gradient
-  slice stays 16-bit, the course's 2 bytes per element, and is widened at the step.) At
-  N = 2 both round a + b once and halve it exactly: the same numbers, twice the bytes.
+- `reduce_dtype=torch.float32`: gradients are reduced in fp32 (FSDP2's reduce_dtype): the
+  16-bit gradient buffer is widened before the collective (4 bytes an element on the wire,
+  the ledger's count) and the fp32 average is kept as the master's gradient, what the
+  optimizer steps on (`sync.main_grads`; FSDP2 casts the reduce-scatter's output to its
+  fp32 sharded parameter's dtype). The 16-bit `.grad` beside it shows its rounding; the
+  fp32 average adds 4 bytes an element of what the rank steps (its slice; at stage 0 the
+  whole) from backward to zero_grad, which `measured.held_bytes` does not count. Summing N
+  16-bit gradients on the way rounds at every partial sum and the 16-bit average once more;
+  in fp32 the step sees the average unrounded, at every N (N = 2 included). Accumulating
+  backwards add their fp32 averages in fp32 at every stage (stages 0-1 clear their 16-bit
+  buffer's rounding before the next backward adds into it: install_fresh_start).
 """
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
+from functools import partial
 
 import torch
 import torch.distributed as dist
@@ -159,9 +165,11 @@ def group_layout(sync) -> list[dict]:
 class ReducedInFp32(FlatParamGroup):
     """A flat group whose gradient reductions run in fp32 (FSDP2's reduce_dtype=float32).
 
-    The 16-bit full buffer is widened to fp32, reduced, and the fp32 result rounded once into
-    the 16-bit output when the collective completes. All-gathers (of parameters) are
-    untouched. shard() turns a 16-bit group into one with `group.__class__ = ReducedInFp32`.
+    The 16-bit full buffer is widened to fp32 and reduced. Given an fp32 output (what the
+    stages pass: the reduced slice is the master's gradient, kept in fp32 as FSDP2 keeps
+    it) the result stays fp32; given a 16-bit one, it is rounded once into it when the
+    collective completes. All-gathers (of parameters) are untouched. shard() turns a 16-bit
+    group into one with `group.__class__ = ReducedInFp32`.
     """
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
@@ -169,6 +177,9 @@ class ReducedInFp32(FlatParamGroup):
         if full_in.dtype == torch.float32:
             return super().reduce_scatter(shard_out, full_in, op, async_op)
         wide_in = full_in.float()
+        if shard_out.dtype == torch.float32:  # kept in fp32: nothing rounded
+            work = super().reduce_scatter(shard_out, wide_in, op, async_op)
+            return None if work is None else _RoundedInto(work, None, None, keep=wide_in)
         wide_out = torch.empty_like(shard_out, dtype=torch.float32)
         work = super().reduce_scatter(wide_out, wide_in, op, async_op)
         return _rounded_into(work, wide_out, shard_out, keep=wide_in)
@@ -181,19 +192,71 @@ class ReducedInFp32(FlatParamGroup):
         return _rounded_into(work, wide, buffer)
 
 
-class _RoundedInto:
-    """An fp32 collective in flight whose result is rounded into a 16-bit tensor on wait()."""
+def reduces_wide(sync, g: int) -> bool:
+    """Is group g of a stage (`sync`) a 16-bit group whose gradient is reduced in fp32 and
+    kept so (reduce_dtype=torch.float32)?"""
+    group = sync.groups[g]
+    return isinstance(group, ReducedInFp32) and group.dtype != torch.float32
 
-    def __init__(self, work, wide: torch.Tensor, out: torch.Tensor, keep=None) -> None:
+
+def land_wide(sync, g: int, wide: torch.Tensor, rounded: torch.Tensor) -> None:
+    """Stages 0-1: group g's gradient reduced in fp32 (`wide`) becomes the master's gradient
+    (`sync.main_grads[g]`), or is added to it when an earlier backward of this step left one
+    (accumulation, in fp32 as FSDP2's); its rounding goes into the 16-bit gradient `rounded`
+    that `.grad` shows (and the next backward clears first: fresh_start)."""
+    main = sync.main_grads[g]
+    sync.main_grads[g] = wide if main is None else main.add_(wide)
+    rounded.copy_(sync.main_grads[g])
+    sync.rounding_held[g] = True
+
+
+def install_fresh_start(sync) -> None:
+    """Stages 0-1 keep a full 16-bit gradient buffer that autograd accumulates into; after a
+    reduction in fp32 it holds the rounding of the average. Before the next backward adds to
+    it (a tensor hook runs before autograd accumulates), every `.grad` of such a group is set
+    to None, so the buffer receives this backward's local gradients alone, and land_wide adds
+    their fp32 average to the fp32 one kept: accumulation in fp32, not in the 16-bit buffer."""
+    sync.rounding_held = [False] * len(sync.groups)
+    ref = weakref.ref(sync)
+    for g, group in enumerate(sync.groups):
+        if reduces_wide(sync, g):
+            for p in group.params:
+                sync._hook_handles.append(p.register_hook(partial(_fresh_start, ref)))
+
+
+def _fresh_start(ref, _grad: torch.Tensor) -> None:
+    sync = ref()
+    if sync is None:
+        return
+    if not sync._callback_queued:  # this backward's first: what overlap_step left lands
+        sync.finish_reductions()
+    if not any(sync.rounding_held):
+        return
+    for g, held in enumerate(sync.rounding_held):
+        if held:  # (each parameter's view is given back when its gradient is adopted)
+            for p in sync.groups[g].params:
+                p.grad = None
+            sync.rounding_held[g] = False
+
+
+class _RoundedInto:
+    """An fp32 collective in flight whose result is rounded into a 16-bit tensor on wait()
+    (`wide` None: nothing to round; `keep` holds its fp32 input alive until then)."""
+
+    def __init__(self, work, wide: torch.Tensor | None, out: torch.Tensor | None,
+                 keep=None) -> None:
         self.work, self.wide, self.out, self.keep = work, wide, out, keep
+        self.done = False
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
 
     def wait(self) -> bool:
-        if self.wide is not None:
+        if not self.done:
             self.work.wait()
-            self.out.copy_(self.wide)
+            if self.wide is not None:
+                self.out.copy_(self.wide)
+            self.done = True
             self.wide = self.keep = None  # the fp32 buffers are freed here
         return True
 

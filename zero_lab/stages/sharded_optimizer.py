@@ -234,10 +234,12 @@ class ShardedOptimizer(torch.optim.Optimizer):
         a tensor whose .grad is None: the other groups' pieces are left alone)."""
         groups = set(groups)
         if self.master_weights is not None:
-            # bf16 gradient slice -> fp32, applied to the fp32 master (transient copy).
+            # The master's gradient: the fp32 average when reduced in fp32 (reduce_dtype), else
+            # the 16-bit gradient slice widened (a transient copy).
             for g in groups:
-                p = self.sync.step_params[g]
-                self.master_weights[g].grad = None if p.grad is None else p.grad.float()
+                p, main = self.sync.step_params[g], self.sync.main_grads[g]
+                self.master_weights[g].grad = (None if p.grad is None else
+                                               main if main is not None else p.grad.float())
         has_grad = self.sync.has_grad
         for pc, view in zip(self.pieces, self.views, strict=True):
             grad = self.targets[pc.group].grad if pc.group in groups else None
@@ -276,11 +278,15 @@ class ShardedOptimizer(torch.optim.Optimizer):
         self.sync.settle()  # reductions left in flight (overlap_step) land first
         norm_type = float(norm_type)
         inf = math.isinf(norm_type)
-        grads, sliced, whole = [], [], []
+        grads, sliced, whole, rounded = [], [], [], []
         for g, p in enumerate(self.sync.step_params):
             if p.grad is not None:
-                grads.append(p.grad)
-                (sliced if self.sync.group_sharded(g) else whole).append(p.grad)
+                # reduced in fp32: the norm of the fp32 average the step uses
+                grad = self.sync.main_grads[g] if self.sync.main_grads[g] is not None else p.grad
+                if grad is not p.grad:
+                    rounded.append((p.grad, grad))
+                grads.append(grad)
+                (sliced if self.sync.group_sharded(g) else whole).append(grad)
 
         def part(tensors: list[torch.Tensor]) -> torch.Tensor:  # max |g|, or sum of |g|^p
             if not tensors:
@@ -301,6 +307,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         clip_coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
         for g in grads:
             g.mul_(clip_coef.to(g.dtype))
+        for low, wide in rounded:  # what `.grad` shows: the clipped average's rounding
+            low.copy_(wide)
         return total
 
     # ------------------------------------------------------------------ results
@@ -320,6 +328,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
                 flat = self.master_weights[g].detach()
             for p, view in zip(group.params, group.views(flat), strict=True):
                 full[id(p)] = view
+        if hasattr(self.sync, "full_frozen"):  # stage 3 shards frozen parameters too
+            full.update(self.sync.full_frozen())
         return {name: full.get(id(t), t).detach().clone()
                 for name, t in model.state_dict(keep_vars=True).items()}
 

@@ -8,16 +8,19 @@ the three moves of its lifecycle: start the all-gather, finish it, release; `mak
 all of it for a model (cut, broadcast rank 0's values, keep this rank's slice). zero3.py drives
 them from module and autograd hooks. Between its calls a unit's parameters rest as their
 1-D pieces, guarded against reads that would take a piece for the parameter (at_rest.py).
+A unit's frozen parameters are a `FrozenPart`, gathered with it, never reduced or stepped.
 """
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero_lab.collectives.ledger import name_level
 from zero_lab.partition import FlatParamGroup, allocate_storage, free_storage
 from zero_lab.stages.at_rest import label, rest, wake
 from zero_lab.stages.hybrid import HybridMesh
@@ -64,14 +67,16 @@ def unit_modules(model: nn.Module, unit_classes: Sequence[type] | None = None,
 
 
 def plan_units(model: nn.Module, unit_classes: Sequence[type] | None = None,
-               also: Sequence[type] = ()
-               ) -> list[tuple[str, nn.Module, list[tuple[str, nn.Parameter]]]]:
-    """[(unit name, module, [(parameter name, parameter)])], the root unit last.
+               also: Sequence[type] = (), frozen: bool = False) -> list[tuple]:
+    """[(unit name, module, [(parameter name, parameter)])], the root unit last; with
+    `frozen`, a fourth item: the unit's frozen parameters (requires_grad=False).
 
     A trainable parameter belongs to the innermost unit enclosing the module that owns it.
     A parameter owned by several modules (a tied weight) goes to the innermost unit that
     encloses all of them, their common ancestor: it is gathered whenever any of them runs.
-    Units left without trainable parameters are dropped.
+    A frozen parameter goes by the same rule, to the innermost unit that has trainable
+    parameters (it is gathered with them). Units left without trainable parameters are
+    dropped; a frozen parameter no unit with trainable parameters encloses stays whole.
     """
     candidates = unit_modules(model, unit_classes, also) + [(ROOT_NAME, model)]
     index = {id(m): i for i, (_, m) in enumerate(candidates)}
@@ -101,12 +106,19 @@ def plan_units(model: nn.Module, unit_classes: Sequence[type] | None = None,
             owners.setdefault(id(p), []).append(module)
 
     members: list[list[tuple[str, nn.Parameter]]] = [[] for _ in candidates]
+    held: list[list[tuple[str, nn.Parameter]]] = [[] for _ in candidates]  # frozen ones
     for name, p in model.named_parameters():  # each distinct parameter once
+        if p.requires_grad:
+            members[_common_prefix([chain(m) for m in owners[id(p)]])[-1]].append((name, p))
+    for name, p in model.named_parameters():
         if not p.requires_grad:
-            continue
-        members[_common_prefix([chain(m) for m in owners[id(p)]])[-1]].append((name, p))
-    return [(name, module, params) for (name, module), params
-            in zip(candidates, members, strict=True) if params]
+            enclosing = [u for u in _common_prefix([chain(m) for m in owners[id(p)]])
+                         if members[u]]
+            if enclosing:
+                held[enclosing[-1]].append((name, p))
+    return [(name, module, params, cold) if frozen else (name, module, params)
+            for (name, module), params, cold in zip(candidates, members, held, strict=True)
+            if params]
 
 
 def _common_prefix(chains: list[tuple[int, ...]]) -> tuple[int, ...]:
@@ -117,6 +129,52 @@ def _common_prefix(chains: list[tuple[int, ...]]) -> tuple[int, ...]:
             break
         common.append(level[0])
     return tuple(common)
+
+
+class FrozenPart:
+    """A unit's frozen parameters, sharded as its trainable ones (FSDP2's too): `local` kept,
+    `full` gathered and freed with the unit. No gradient, reduce-scatter or optimizer state."""
+
+    def __init__(self, unit_name: str, group: FlatParamGroup, local: torch.Tensor) -> None:
+        self.group, self.local = group, local
+        self.full = group.new_full(local.dtype)
+        self.full_views = group.views(self.full)
+        free_storage(self.full)
+        mine = {pc.index: pc for pc in group.shard_pieces()}  # each parameter's piece, if any
+        self.local_views = [local[pc.shard_start:pc.shard_start + pc.numel] if pc else local[:0]
+                            for pc in map(mine.get, range(len(group.params)))]
+        self.work = None
+        self.post_group: FlatParamGroup | None = None  # as Unit's (reshard_after_forward=d)
+        self.post: torch.Tensor | None = None
+        for p, piece, name, shape in zip(group.params, self.local_views, group.names,
+                                         group.shapes, strict=True):
+            p.data = piece
+            label(p, name, unit_name, shape, local)
+            rest(p)
+
+    def start_gather(self) -> None:
+        allocate_storage(self.full)
+        over, source = (self.group, self.local) if self.post is None else (self.post_group,
+                                                                           self.post)
+        self.work = over.all_gather(self.full, source, async_op=True)
+
+    def finish_gather(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.work = None
+        self.post = None
+        for p, view in zip(self.group.params, self.full_views, strict=True):
+            wake(p)
+            p.data = view
+
+    def release(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        for p, piece in zip(self.group.params, self.local_views, strict=True):
+            p.data = piece
+            rest(p)
+        free_storage(self.full)
 
 
 class Unit:
@@ -156,6 +214,11 @@ class Unit:
         self.local_views = self.pieces(local)
         self.work: dist.Work | None = None  # an all-gather in flight (prefetch)
         self.gathered = False
+        self.frozen: FrozenPart | None = None  # its frozen parameters (make_units)
+        # reshard_after_forward=d (attach_post_forward_groups): the layout over d ranks, and
+        # from forward to backward this rank's 1/d of `full`, which backward gathers from.
+        self.post_group: FlatParamGroup | None = None
+        self.post: torch.Tensor | None = None
         for p, piece, name, shape in zip(self.params, self.local_views, group.names,
                                          group.shapes, strict=True):
             p.data = piece
@@ -175,17 +238,37 @@ class Unit:
         if self.replicated:
             return
         allocate_storage(self.full)
-        self.work = self.group.all_gather(self.full, self.local, async_op=True)
+        over, source = (self.group, self.local) if self.post is None else (self.post_group,
+                                                                           self.post)
+        self.work = over.all_gather(self.full, source, async_op=True)  # (post: over d ranks)
+        if self.frozen is not None:
+            self.frozen.start_gather()
 
     def finish_gather(self) -> None:
         """Wait for the all-gather; the parameters become views of the full buffer."""
         if self.work is not None:  # a replicated unit has none to wait for
             self.work.wait()
         self.work = None
+        self.post = None  # used (or never made)
         for p, view in zip(self.params, self.full_views, strict=True):
             wake(p)  # first: re-pointing a guarded parameter would pay the guard's call
             p.data = view
+        if self.frozen is not None:
+            self.frozen.finish_gather()
         self.gathered = True
+
+    def reshard_after_forward(self) -> None:
+        """reshard_after_forward=d: keep this rank's 1/d of the gathered buffers, release."""
+        self.post = self.post_group.shard(self.full).clone()
+        if self.frozen is not None:
+            self.frozen.post = self.frozen.post_group.shard(self.frozen.full).clone()
+        self.release()
+
+    def drop_post(self) -> None:
+        """A forward whose backward never came (or the step): its 1/d copy is stale."""
+        self.post = None
+        if self.frozen is not None:
+            self.frozen.post = None
 
     def release(self) -> None:
         """The parameters become local pieces again and the full buffer's memory is freed.
@@ -203,6 +286,8 @@ class Unit:
             p.data = piece
             rest(p)
         free_storage(self.full)
+        if self.frozen is not None:
+            self.frozen.release()
 
     @property
     def busy(self) -> bool:
@@ -238,7 +323,8 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
         groups = {"process_group": mesh.shard_group, "replicate_group": mesh.replicate_group}
     units, masters = [], []
     kept = kept_parameter_ids(model, keep_fp32)
-    for name, module, named in plan_units(model, unit_classes, also=keep_fp32):
+    for name, module, named, cold in plan_units(model, unit_classes, also=keep_fp32,
+                                                frozen=True):
         params = [p for _, p in named]
         names = [n for n, _ in named]
         group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
@@ -260,5 +346,55 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
             group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
         del flat
         group.label = f"unit {len(units)}"  # its collectives' names in a profiler trace
-        units.append(Unit(name, module, group, local, replicated=whole))
+        unit = Unit(name, module, group, local, replicated=whole)
+        if compute_dtype is not None:  # one dtype a part: a frozen one of another dtype
+            cold = [(n, p) for n, p in cold  # (kept in fp32 by keep_fp32) stays whole
+                    if (id(p) in kept) == (stays_fp32 == {True})]
+        if cold and not whole:  # frozen parameters: sharded too (a replicated unit's stay whole)
+            unit.frozen = _frozen_part(name, cold, len(units), compute_dtype, kept,
+                                       world, rank, transport, groups)
+        units.append(unit)
     return units, masters
+
+
+def attach_post_forward_groups(units: list[Unit], d: int) -> None:
+    """reshard_after_forward=d: groups of d consecutive ranks (as FSDP2's post-forward mesh;
+    every rank makes every group, in order), each unit's buffer cut into d chunks over its
+    group instead of N. A CommLedger records them at level "post_forward"."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    made = [dist.new_group(list(range(start, start + d))) for start in range(0, world, d)]
+    group = made[rank // d]
+    name_level(group, "post_forward")
+    for unit in units:
+        if not unit.replicated:
+            unit.post_group = _over(unit.group, group, d, rank % d)
+            if unit.frozen is not None:
+                unit.frozen.post_group = _over(unit.frozen.group, group, d, rank % d)
+
+
+def _over(layout: FlatParamGroup, group, d: int, rank: int) -> FlatParamGroup:
+    """`layout`'s buffer sharded over `group` (d ranks) instead: d chunks of N·S / d."""
+    over = copy.copy(layout)
+    over.__dict__.pop("direct", None)  # decided again, for this group
+    over.process_group, over.replicate_group, over.world_size, over.rank = group, None, d, rank
+    over.shard_numel = layout.padded_numel // d
+    over.shard_start, over.shard_end = over.shard_range(rank)
+    over.label = f"{layout.label} after forward"
+    return over
+
+
+def _frozen_part(unit_name: str, named, index: int, compute_dtype, kept: set[int], world: int,
+                 rank: int, transport: str, groups: dict) -> FrozenPart:
+    """A unit's frozen parameters laid out, rank 0's values broadcast, this rank's slice kept
+    (in the compute dtype in mixed precision, unless keep_fp32 keeps them)."""
+    params, names = [p for _, p in named], [n for n, _ in named]
+    group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
+    flat = group.flatten()
+    dist.broadcast(flat, src=0)
+    if compute_dtype is not None and not all(id(p) in kept for p in params):
+        flat = flat.to(compute_dtype)
+        for p in params:
+            p.data = p.data.to(compute_dtype)
+        group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
+    group.label = f"unit {index} frozen"
+    return FrozenPart(unit_name, group, group.shard(flat).clone())

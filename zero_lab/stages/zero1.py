@@ -62,6 +62,7 @@ from zero_lab.partition import FlatParamGroup, make_flat_groups
 from zero_lab.stages.agreement import check_ranks_agree
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.in_flight import InFlight
+from zero_lab.stages.mixed_precision import install_fresh_start, land_wide, reduces_wide
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
     make_plan,
@@ -108,6 +109,7 @@ class Zero1(GradientSync):
             for group in groups:
                 for p in group.params:
                     self._hook_handles.append(p.register_hook(self._pre_divide))
+        install_fresh_start(self)  # reduce_dtype=float32: accumulation in fp32
 
     def _pre_divide(self, grad: torch.Tensor) -> torch.Tensor | None:
         # Before autograd adds into the buffer, the last backward's reductions land
@@ -131,15 +133,26 @@ class Zero1(GradientSync):
         """Start group g's reduce-scatter (its full buffer in, this rank's slice out)."""
         group, buf = self.groups[g], self.grad_buffers[g]
         op = dist.ReduceOp.SUM if self._holds_average else dist.ReduceOp.AVG  # pre-divided
-        owned = group.new_shard(zeroed=False)
+        owned = group.new_shard(self._slice_dtype(g), zeroed=False)
         work = group.reduce_scatter(owned, buf, op=op, async_op=True)
         self.reductions.send(g, work, buf, owned, keep=None)  # the buffer stays: no limit
+
+    def _slice_dtype(self, g: int) -> torch.dtype | None:
+        """The reduced slice's dtype: fp32 when reduced in fp32 (kept for the optimizer)."""
+        return torch.float32 if reduces_wide(self, g) else None
+
+    def _land_slice(self, g: int, buf: torch.Tensor, owned: torch.Tensor) -> None:
+        """The averaged slice into our part of the buffer (fp32: kept, and its rounding)."""
+        if owned.dtype != buf.dtype:
+            land_wide(self, g, owned, self.groups[g].shard(buf))
+        else:
+            self.groups[g].shard(buf).copy_(owned)
 
     def _land(self, g: int, buf: torch.Tensor, owned: torch.Tensor) -> None:
         """Group g's reduce-scatter is done: the averaged slice goes into our part of the
         buffer, the parts other ranks own are zeroed (not ours to keep)."""
         buf.zero_()
-        self.groups[g].shard(buf).copy_(owned)
+        self._land_slice(g, buf, owned)
         self.step_params[g].grad = self.groups[g].shard(buf)  # None since a zero_grad
 
     def on_backward_end(self) -> None:
@@ -162,21 +175,29 @@ class Zero1(GradientSync):
             self.adopt_grads(g, self.grad_views[g])
         if self.variant == "all_reduce":
             # Every rank gets the full averaged gradient and will use only its slice of it.
-            works = [group.all_reduce(buf, async_op=True)
-                     for group, buf in zip(self.groups, self.grad_buffers, strict=True)]
-            for work in works:
+            wides = [buf.float() if reduces_wide(self, g) else None
+                     for g, buf in enumerate(self.grad_buffers)]
+            works = [group.all_reduce(buf if wide is None else wide, async_op=True)
+                     for group, buf, wide in zip(self.groups, self.grad_buffers, wides,
+                                                 strict=True)]
+            for g, (work, wide) in enumerate(zip(works, wides, strict=True)):
                 work.wait()
+                if wide is not None:  # reduced in fp32: the whole buffer, our slice kept
+                    self.grad_buffers[g].copy_(wide)
+                    land_wide(self, g, self.groups[g].shard(wide).clone(),
+                                   self.groups[g].shard(self.grad_buffers[g]))
         else:
             op = dist.ReduceOp.SUM if self._holds_average else dist.ReduceOp.AVG
-            owned = [group.new_shard(zeroed=False) for group in self.groups]
+            owned = [group.new_shard(self._slice_dtype(g), zeroed=False)
+                     for g, group in enumerate(self.groups)]
             works = [group.reduce_scatter(out, buf, op=op, async_op=True)
                      for group, out, buf in zip(self.groups, owned, self.grad_buffers,
                                                 strict=True)]
-            for group, work, out, buf in zip(self.groups, works, owned, self.grad_buffers,
-                                             strict=True):
+            for g, (work, out, buf) in enumerate(zip(works, owned, self.grad_buffers,
+                                                     strict=True)):
                 work.wait()
                 buf.zero_()  # the slices other ranks own: not ours to keep
-                group.shard(buf).copy_(out)  # our slice: the final averaged gradient
+                self._land_slice(g, buf, out)  # our slice: the final averaged gradient
             self._holds_average = not self.reduce_in_step  # a later backward adds on top
         for group, buf, step_param in zip(self.groups, self.grad_buffers, self.step_params,
                                           strict=True):

@@ -47,6 +47,7 @@ from torch import nn
 from zero_lab.partition import FlatParamGroup
 from zero_lab.stages.gradient_sync import GradientSync, clear_grads
 from zero_lab.stages.in_flight import InFlight
+from zero_lab.stages.mixed_precision import reduces_wide
 
 
 class Zero2(GradientSync):
@@ -108,11 +109,12 @@ class Zero2(GradientSync):
             self._held[g] = full
             return
         self._held[g] = None  # sent now, freed once sent
+        wide = reduces_wide(self, g)  # reduce_dtype=float32: the average is kept in fp32
         if self.replicated[g]:  # kept whole on every rank: average the whole gradient
-            owned = full
-            work = group.all_reduce(full, async_op=True)
+            owned = full.float() if wide else full
+            work = group.all_reduce(owned, async_op=True)
         else:
-            owned = group.new_shard(zeroed=False)
+            owned = group.new_shard(torch.float32 if wide else None, zeroed=False)
             work = group.reduce_scatter(owned, full, op=dist.ReduceOp.AVG, async_op=True)
         self.reductions.send(g, work, full, owned, keep=self.MAX_IN_FLIGHT)
 
@@ -120,6 +122,16 @@ class Zero2(GradientSync):
         """Bucket g's reduce-scatter is done: its averaged slice becomes (or adds to, when
         accumulating) the gradient of what this rank steps."""
         step_param = self.step_params[g]
+        if owned.dtype != step_param.dtype:  # reduced in fp32: the master's gradient
+            main = self.main_grads[g]
+            if main is None or step_param.grad is None:
+                main = self.main_grads[g] = owned
+            else:
+                main.add_(owned)  # accumulated in fp32, as FSDP2's fp32 sharded gradient
+            owned = main.to(step_param.dtype)  # what `.grad` shows: its rounding
+            if step_param.grad is not None:
+                step_param.grad.copy_(owned)
+                return
         if step_param.grad is None:
             step_param.grad = owned
         else:

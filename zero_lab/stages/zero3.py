@@ -85,7 +85,13 @@ needs the same CPU its compute does, so gathering earlier has little to hide beh
 `reshard_after_forward=False` (FSDP2's name) keeps a unit gathered from its forward to its
 backward (2Ψ per step, full parameters resident meanwhile) and, under `model.no_sync()`, to
 the next micro-batch (accumulation.py); a forward without gradients and `opt.step()` still
-release (a full copy kept past the step would be stale).
+release (a full copy kept past the step would be stale). `reshard_after_forward=d` (an int,
+a divisor of N with 1 < d < N: FSDP2's int form, ZeRO++'s hpZ) sits between the two: after
+forward a unit keeps this rank's 1/d of its gathered buffer (units.Unit.post, P_u / d
+elements beside the resting P_u / N) and backward all-gathers from it inside a group of d
+consecutive ranks (one node, when d is the node's size) instead of all N: the bytes of the
+message are the same, each rank sends (d - 1)/d of it instead of (N - 1)/N, and none of it
+crosses between groups. Forward's all-gather and the reduce-scatter still span all N ranks.
 
 Why rebinding `.data` alone would not free memory (the seed blog's `release`): autograd
 holds references to the tensors forward used; `param.data = shard` moves the parameter but
@@ -99,8 +105,17 @@ Stage 3 is stage 2 plus parameter sharding, and the code says so: `Zero3` subcla
 `Zero2`, which brings the gradient hooks, the in-order hand-over, the end-of-backward
 callback (gradient_sync.py) and the asynchronous reduce-scatter into the gradient slice;
 it adds the gathering and releasing of units. Frozen parameters (requires_grad=False) are
-not sharded: they stay whole on every rank, as in stages 0-2, since they need no gradient
-or optimizer state.
+sharded too, as FSDP2 shards them (for LoRA-style fine-tuning the frozen base is most of the
+memory): each unit's frozen parameters are a flat group of their own (units.FrozenPart),
+this rank keeping ceil(Ψ_f / N) elements at rest, all-gathered with the unit and freed with
+it; no gradient, no reduce-scatter, no optimizer state, so a step sends 2Ψ_f for them beside
+the trainable 3Ψ (Ψ_f with reshard_after_forward=False). Backward may need a frozen weight
+after the unit's last gradient is in (a frozen Linear's gradient with respect to its input),
+so such a unit is released once the gradients of its inputs are computed (a hook on the
+inputs, as FSDP2's post-backward), and the root unit, or a unit enclosing others, when
+backward ends. A frozen parameter that no unit with trainable parameters encloses (a frozen
+module at the root of a model whose root has no trainable parameter of its own) stays
+whole, as do a replicated root's.
 """
 
 from __future__ import annotations
@@ -158,6 +173,16 @@ class Zero3(Zero2):
         # Teaching hook: called as on_event(what, unit name) at "gather", "release" and
         # "reduce_scatter" (notebook 05 marks unit boundaries on its memory timeline).
         self.on_event: Callable[[str, str], None] | None = None
+        # Frozen parameters (units.FrozenPart) may be needed by backward after the unit's last
+        # gradient is in (a frozen Linear's grad-input): such a unit is released once the
+        # gradients of its inputs are computed (`_pending_inputs` hooks), and the root or a
+        # unit enclosing others (whose inputs say nothing of what runs inside) when backward ends.
+        modules = {id(unit.module) for unit in units}
+        self._late = {u for u, unit in enumerate(units) if unit.frozen is not None and (
+            unit.module is model or any(id(m) in modules for m in unit.module.modules()
+                                        if m is not unit.module))}
+        self._pending_inputs = [0] * len(units)
+        self._grads_in: set[int] = set()  # all its gradients in, waiting for its inputs'
         root = None
         for u, unit in enumerate(units):
             if unit.module is model:
@@ -165,6 +190,9 @@ class Zero3(Zero2):
                 continue
             unit.module.register_forward_pre_hook(partial(self._pre_forward, u))
             unit.module.register_forward_hook(partial(self._post_forward, u))
+            if unit.frozen is not None:
+                unit.module.register_forward_pre_hook(partial(self._watch_inputs, u),
+                                                      with_kwargs=True)
         # The model's own hooks run first and last: they bracket the whole forward.
         model.register_forward_pre_hook(partial(self._forward_start, root))
         model.register_forward_hook(partial(self._forward_end, root))
@@ -235,6 +263,7 @@ class Zero3(Zero2):
     def _forward_start(self, root: int | None, module: nn.Module, args) -> None:
         if torch.compiler.is_compiling():  # true only while torch.compile traces
             _refuse_compile()
+        self._refuse_unfrozen()  # a sharded frozen piece would get a full-shaped gradient
         if self.forward_order is None and self._forward_record is None:
             self._forward_record = []
         self._gathers = []
@@ -269,6 +298,23 @@ class Zero3(Zero2):
             self._derailed = True
         return False
 
+    def _watch_inputs(self, u: int, module: nn.Module, args, kwargs) -> None:
+        """A unit with frozen parameters: its backward is over once its inputs' gradients
+        are computed (FSDP2 hooks its post-backward on the inputs the same way)."""
+        if _in_backward() or not torch.is_grad_enabled():
+            return
+        inputs = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+        if inputs:
+            self._pending_inputs[u] += 1
+            torch.autograd.graph.register_multi_grad_hook(
+                inputs, partial(self._inputs_done, u), mode="all")
+
+    def _inputs_done(self, u: int, _grads) -> None:
+        self._pending_inputs[u] = max(0, self._pending_inputs[u] - 1)
+        if not self._pending_inputs[u] and u in self._grads_in:
+            self._grads_in.discard(u)
+            self.release(u)
+
     def _post_forward(self, u: int, module: nn.Module, args, output) -> None:
         if _in_backward():  # a recomputation inside the unit's backward: keep it gathered
             return
@@ -277,6 +323,9 @@ class Zero3(Zero2):
                    if torch.is_grad_enabled() else [])
         if outputs and not self.reshard_after_forward:
             self._kept.add(u)  # stays gathered: its backward needs no second all-gather
+        elif outputs and self.units[u].post_group is not None and self.units[u].gathered:
+            self.units[u].reshard_after_forward()  # 1/d kept: backward gathers over d ranks
+            self._event("release", u)
         else:
             self.release(u)
         if outputs:  # gather again (if released) when backward reaches this unit
@@ -340,13 +389,19 @@ class Zero3(Zero2):
         if u in self._withheld:  # kept gathered: no piece was given out, nothing to fold
             self._withheld.discard(u)
         elif step_param.grad is not None:
-            for i, (p, piece) in enumerate(zip(unit.params, unit.pieces(step_param.grad),
-                                               strict=True)):
+            main = self.main_grads[u]  # reduced in fp32: follows what was done to `.grad`
+            mains = unit.pieces(main) if main is not None else [None] * len(unit.params)
+            for i, (p, piece, wide) in enumerate(zip(unit.params, unit.pieces(step_param.grad),
+                                                     mains, strict=True)):
                 if p.grad is None:  # no gradient (any more): as in one process
                     piece.zero_()
                     self.has_grad[u][i] = False
                 elif p.grad.data_ptr() != piece.data_ptr():
                     piece.copy_(p.grad)
+                else:
+                    continue
+                if wide is not None:
+                    wide.copy_(piece)
             if not any(self.has_grad[u]):
                 step_param.grad = None
         for p in unit.params:
@@ -359,13 +414,19 @@ class Zero3(Zero2):
         self._take_grads(g)
         self._close_span("backward", g)
         if self.reshard_after_forward or self._syncing:  # else kept for the next one
-            self.release(g)
+            if g in self._late or self._pending_inputs[g]:
+                self._grads_in.add(g)  # its frozen parameters may still be needed
+            else:
+                self.release(g)
         if not self.defers():
             self._event("reduce_scatter", g)
         super().on_group_ready(g)
 
     def on_backward_end(self) -> None:
         super().on_backward_end()  # wait for the last reduce-scatters
+        self._pending_inputs, self._grads_in = [0] * len(self.units), set()
+        for unit in self.units:
+            unit.drop_post()  # a unit whose backward did not come
         for u in range(len(self.units)):
             if u not in self._kept:
                 self.release(u)  # a unit prefetched for a backward that did not come
@@ -378,6 +439,7 @@ class Zero3(Zero2):
 
     def on_backward_abandoned(self) -> None:
         super().on_backward_abandoned()
+        self._pending_inputs, self._grads_in = [0] * len(self.units), set()
         for u in range(len(self.units)):
             self._close_span("backward", u)
             self.release(u)  # gathered for a backward that raised
@@ -405,6 +467,7 @@ class Zero3(Zero2):
         no backward) would be stale after the update: release it; the next forward gathers."""
         for u in range(len(self.units)):
             self.release(u)
+            self.units[u].drop_post()
         if self._withheld:
             self._give_out_grads()  # now at rest: each parameter's .grad is its piece
 
@@ -427,11 +490,25 @@ class Zero3(Zero2):
         unit.group.all_gather(full, unit.local)
         return full
 
+    def full_frozen(self) -> dict[int, torch.Tensor]:
+        """{id(parameter): full tensor} of the frozen parameters the units shard (all-gathers:
+        call it on every rank)."""
+        full = {}
+        for unit in self.units:
+            if unit.frozen is not None:
+                group = unit.frozen.group
+                flat = group.new_full(unit.frozen.local.dtype)
+                group.all_gather(flat, unit.frozen.local)
+                full.update(zip(map(id, group.params), group.views(flat), strict=True))
+        return full
+
     # ------------------------------------------------------------------ for learners
     def gathered_bytes(self) -> int:
         """Bytes of full parameter buffers allocated right now (0 between steps); a
         replicated unit's buffer is its local one, never gathered, so it does not count."""
-        return sum(u.full.untyped_storage().nbytes() for u in self.units if not u.replicated)
+        return sum(u.full.untyped_storage().nbytes()
+                   + (u.frozen.full.untyped_storage().nbytes() if u.frozen else 0)
+                   for u in self.units if not u.replicated)
 
     def describe(self) -> list[dict]:
         """One row per unit: name, parameters, elements, padded elements, slice size."""
