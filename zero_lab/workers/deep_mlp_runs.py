@@ -2,15 +2,19 @@
 
 Notebooks 03 and 04 launch it, each asking for the runs it teaches. `--runs` is JSON
 {label: options}: options are keyword arguments of `zero_lab.stages.shard` ({"stage": 1},
-{"stage": 1, "zero1_variant": "all_reduce"}, {"stage": 2, "bucket_mb": 4}) or {"blog": 1}
-/ {"blog": 2}, the seed blog's own ZeRO-1 / ZeRO-2 (`zero_lab.seed_blog.BlogZero`).
+{"stage": 1, "zero1_variant": "all_reduce"}, {"stage": 2, "bucket_mb": 4}), {"blog": 1} /
+{"blog": 2}, the seed blog's own ZeRO-1 / ZeRO-2 (`zero_lab.seed_blog.BlogZero`), or
+{"plain": 1, "beside": "stage 1"}: the plain stage (zero_lab/plain/stage1.py; "bucket_mb"
+optional) beside an earlier run of the same launch.
 
 Every rank first trains one plain model on the whole global batch: the reference. Each run
 then starts from the same initialisation and trains the ordinary loop (forward, backward,
 `opt.step()`, `opt.zero_grad()`) on this rank's share of each global batch; its last step is
 measured. Per run it reports what this rank holds after backward, its peak during that step
 (`zero_lab.measured.PeakMemory`), every collective the step issued (`CommLedger`), the median
-time of the other steps, and how far the trained weights end from the reference.
+time of the other steps, and how far the trained weights end from the reference. A plain
+run (no memory measured) also reports how far it ends from the run it is beside; both report
+their last step's collectives as `CommLedger.signature()`.
 
 With --time-collectives (notebook 03) it also reports what the backend's own profiler shows
 for one `reduce_scatter_single`, and the best-of-9 times of three ways to reduce a gradient
@@ -32,11 +36,13 @@ from torch.profiler import ProfilerActivity, profile
 
 from zero_lab.collectives import CommLedger, exchange
 from zero_lab.launch import init_worker, report
+from zero_lab.plain import stage0, stage1, stage2, stage3
 from zero_lab.seed_blog import BlogZero
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice, train
 
 MiB = 2**20
+PLAIN = {0: stage0, 1: stage1, 2: stage2, 3: stage3}
 
 
 def parse_args() -> argparse.Namespace:
@@ -62,6 +68,10 @@ def build(args, how: dict, device: torch.device):
     model = deep_mlp(args.width, args.depth).to(device)
     if "blog" in how:
         return model, BlogZero(model, how["blog"])
+    if "plain" in how:
+        stage = PLAIN[how["plain"]]
+        return stage.shard(model, adam, **({"bucket_mb": how["bucket_mb"]} if "bucket_mb" in how
+                                           else {}))
     return shard(model, optimizer=adam, **how)
 
 
@@ -77,25 +87,43 @@ def reference_weights(args, device: torch.device) -> dict[str, torch.Tensor]:
     return reference.state_dict()
 
 
-def run(args, how: dict, batches, ref_weights, device: torch.device) -> dict:
+def weights_of(model, opt, how: dict) -> dict[str, torch.Tensor]:
+    if how.get("plain") != 3:
+        return full_state_dict(model)  # a plain stage 0-2's parameters are full after a step
+    for unit in opt.units:  # plain stage 3: gather every unit, read, release
+        unit.gather()
+    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    for unit in opt.units:
+        unit.release()
+    return weights
+
+
+def run(args, how: dict, batches, ref_weights, device: torch.device) -> tuple[dict, dict]:
+    """The run's report, and its trained weights."""
     model, opt = build(args, how, device)
     out = train(model, opt, batches, steps=args.steps - 1, measure_memory=False, device=device)
     # The last step, measured: memory and bytes. Its peak is counted storage by storage
     # (PeakMemory's CPU mode, which sees CUDA tensors too): what this run holds and allocates,
     # not the allocator's high-water mark, which would include the reference's weights.
+    # A plain run's memory is not measured: the notebooks compare its weights and bytes.
     with CommLedger() as ledger:
-        last = train(model, opt, lambda k: batches(args.steps - 1), steps=1)
-    weights = full_state_dict(model)
+        last = train(model, opt, lambda k: batches(args.steps - 1), steps=1,
+                     measure_memory="plain" not in how, device=device)
+    weights = weights_of(model, opt, how)
+    memory = {k: last[k] for k in ("held_after_backward", "peak_bytes") if k in last}
     return {
-        "held_after_backward": last["held_after_backward"],
-        "peak_bytes": last["peak_bytes"],
+        **memory,
+        "signature": ledger.signature(),
         "comm": ledger.summary(),
         "volume": ledger.volume(),
         "sent_bytes": ledger.total_bytes(),
         "step_ms": 1e3 * sorted(out["step_times"])[len(out["step_times"]) // 2],
-        "max_abs_diff": max(float((weights[k] - ref_weights[k]).abs().max())
-                            for k in ref_weights),
-    }
+        "max_abs_diff": largest_difference(weights, ref_weights),
+    }, weights
+
+
+def largest_difference(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k] - b[k]).abs().max()) for k in b)
 
 
 def timed_ms(fn, repeats: int = 9) -> list[float]:
@@ -142,11 +170,25 @@ def main() -> None:
         return rank_slice(full, info.rank, info.world_size)
 
     ref_weights = reference_weights(args, info.device)
-    results = {}
+    results, kept = {}, {}  # kept: the weights of the runs a plain run is beside
+    beside = {how["beside"] for how in runs.values() if "plain" in how}
+    labels = list(runs)
+    for i, (label, how) in enumerate(runs.items()):
+        if "plain" in how and how.get("beside") not in labels[:i]:
+            raise ValueError(f"{label!r}: 'beside' must name a run before it, "
+                             f"got {how.get('beside')!r}")
     for label, how in runs.items():
-        results[label] = r = run(args, how, batches, ref_weights, info.device)
+        r, weights = run(args, how, batches, ref_weights, info.device)
+        results[label] = r
+        if label in beside:
+            kept[label] = weights
+        elif "plain" not in how:  # the signature only where a plain run is compared
+            del r["signature"]
+        if "plain" in how:
+            r["vs_beside"] = largest_difference(weights, kept[how["beside"]])
         count = sum(op["count"] for op in r["comm"].values())
-        print(f"{label}: peak {r['peak_bytes'] / MiB:.1f} MiB, {r['step_ms']:.1f} ms a step, "
+        peak = f"peak {r['peak_bytes'] / MiB:.1f} MiB, " if "peak_bytes" in r else ""
+        print(f"{label}: {peak}{r['step_ms']:.1f} ms a step, "
               f"{count} collectives a step")  # under 110 characters for every label
     sizes = [t.numel() for t in ref_weights.values()]
     out = {"runs": results, "n_params": sum(sizes), "largest_param": max(sizes)}

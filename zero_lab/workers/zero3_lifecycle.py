@@ -18,7 +18,10 @@ under "stage3_prefetch_off", "stage3_prefetch_on", "stage2", "stage0":
   leftover    (stage 3, prefetch on) bytes alive after the step beyond the model states: 0
               when no full parameter, gradient or activation outlived the step
 and once: `activations`, the activation (and transient gradient) bytes of the same step in
-one process without sharding, and `psi`, the number of parameters.
+one process without sharding, `psi`, the number of parameters, and under "plain": the plain
+stage 3 (zero_lab/plain/stage3.py) beside `shard(model, 3)`, each trained the same steps from
+the same weights: the largest weight difference, each one's step collectives (`ledger`,
+`signature`) and bytes.
 """
 
 from __future__ import annotations
@@ -28,7 +31,43 @@ import argparse
 import torch
 
 from zero_lab import workloads as W
+from zero_lab.collectives import CommLedger
+from zero_lab.plain import stage3 as plain_stage3
+from zero_lab.stages import full_state_dict, shard
 from zero_lab.step_timeline import activation_bytes, measure_step
+
+
+def plain_beside_real(mlp, batches: list, device: torch.device) -> dict:
+    """The plain stage 3 and shard(model, 3), the same steps from seed 0: each one's last
+    step's collectives, and how far apart their weights end."""
+    out, weights = {}, {}
+    for key in ("plain", "shard"):
+        torch.manual_seed(0)
+        model = mlp().to(device)
+        model, opt = plain_stage3.shard(model, adam) if key == "plain" else shard(model, 3, adam)
+        for x, y in batches:
+            ledger = CommLedger()
+            with ledger:  # each step records anew: the last step's is reported
+                W.mse_loss(model, (x, y)).backward()
+                opt.step()
+                opt.zero_grad()
+        out[key] = {"ledger": ledger.summary(), "signature": ledger.signature(),
+                    "sent_bytes": ledger.total_bytes()}
+        if key == "plain":  # gather every unit, read, release
+            for unit in opt.units:
+                unit.gather()
+            weights[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            for unit in opt.units:
+                unit.release()
+        else:
+            weights[key] = full_state_dict(model)
+    out["max_abs_diff"] = max(float((weights["plain"][k] - weights["shard"][k]).abs().max())
+                              for k in weights["shard"])
+    return out
+
+
+def adam(params):
+    return torch.optim.Adam(params, lr=1e-3)
 
 
 def main() -> None:
@@ -58,6 +97,7 @@ def main() -> None:
                                 walk_live_tensors=key == "stage3_prefetch_on")
     torch.manual_seed(0)
     out["activations"] = activation_bytes(mlp(), *batches()[-1], device)
+    out["plain"] = plain_beside_real(mlp, batches(), device)
     report(out)
 
 
