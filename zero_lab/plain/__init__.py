@@ -12,5 +12,6 @@ real implementation needs: overlap of the parameter all-gathers, prefetch, the l
 agreement checks, refusals, gradient accumulation and no_sync, precision policies, clipping,
 checkpoints, the direct exchange on gloo. tests/test_plain.py holds the two together: the same
 weights as one process and as `shard()`, the same collectives and bytes per step, at N = 2, 3.
-Here: one backward per step, fp32, every trainable parameter used, no tied weights.
+Here: one backward per step, fp32, every trainable parameter used, no tied weights, and (at
+stage 3) each unit returns one tensor.
 """
