@@ -216,6 +216,8 @@ def test_no_warnings(ranks):
 # ------------------------------------------------------------------ refusals
 
 
+NESTED = ("shard() the outer model once, built from modules no shard() call has changed "
+          "(shard() moved that part's parameters into its own flat buffers and hooks)")
 REFUSALS = {
     "stage5": "ValueError: stage must be one of the ints (0, 1, 2, 3), got 5",
     "stage_float": "ValueError: stage must be one of the ints (0, 1, 2, 3), got 1.0",
@@ -257,6 +259,9 @@ REFUSALS = {
                       "objects sharing memory; tie weights by assigning the same nn.Parameter "
                       "to both modules",
     "twice": "ValueError: this model is already sharded; shard() a fresh model",
+    **{f"nested_{i}_in_{o}": f"ValueError: model.1 is already sharded (stage {i}): {NESTED}"
+       for i in range(4) for o in range(4)},
+    "nested_deep": f"ValueError: model.1.1 is already sharded (stage 2): {NESTED}",
     "lbfgs": "ValueError: LBFGS is not supported: zero_lab shards optimizer state by flat "
              "slice, which is exact only for element-wise optimizers (SGD, Adam, AdamW, "
              "Adamax, NAdam, RAdam, Adagrad, Adadelta, RMSprop, Rprop, ASGD)",

@@ -318,9 +318,19 @@ def error_cases() -> dict:
         model(torch.ones(2, 5)).sum().backward()
         opt.step()
 
+    def nested(inner: int, outer: int, depth: int = 1):
+        """A model holding one that shard() returned, at `depth` below the root."""
+        part = shard(mlp(), inner)[0]
+        for _ in range(depth):
+            part = nn.Sequential(nn.Linear(5, 5), part)
+        return shard(part, outer)
+
     sharded = shard(mlp(), 0)[0]
     probe_model = mlp()
     return {
+        **{f"nested_{i}_in_{o}": message(lambda i=i, o=o: nested(i, o))
+           for i in range(4) for o in range(4)},
+        "nested_deep": message(lambda: nested(2, 1, depth=2)),
         "stage_float": message(lambda: shard(mlp(), 1.0)),
         "stage_bool": message(lambda: shard(mlp(), True)),
         "bucket_nan": message(lambda: shard(mlp(), 2, bucket_mb=float("nan"))),

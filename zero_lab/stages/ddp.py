@@ -1,24 +1,24 @@
 """Stage 0: plain data parallelism, the baseline every ZeRO stage is measured against.
 
-What is sharded: nothing. Every rank holds the full parameters, the full gradients and the
-full optimizer states: (p + g + K)·Ψ bytes per rank (ZeRO paper, section 3.1).
+Nothing is sharded: every rank holds the full parameters, gradients and optimizer states,
+(p + g + K)·Ψ bytes per rank (ZeRO paper, section 3.1).
 
-When the collective fires: during backward. Gradients accumulate straight into one persistent
-flat gradient buffer per bucket (`param.grad` is a view of it, like torch DDP's
-`gradient_as_bucket_view=True`). As soon as the last gradient of a bucket has arrived, an
-asynchronous all-reduce (average) of that bucket starts while autograd goes on computing the
-gradients of earlier layers: communication overlaps computation. The callback queued on the
-autograd engine waits, at the end of backward, for the all-reduces still in flight.
+    backward       gradients accumulate straight into a persistent flat buffer per bucket
+                   (`param.grad` is a view of it, as torch DDP's gradient_as_bucket_view);
+                   a bucket's last gradient in: ALL-REDUCE (average) it, asynchronously,
+                   while autograd computes the gradients of earlier layers
+    backward ends  the callback queued on the autograd engine waits for the last ones
+    opt.step()     the optimizer updates the full parameters; nothing sent
 
-Why gradient accumulation stays correct: after one backward every rank holds the same
-averaged gradient R. The next backward adds each rank's local gradient L_r on top, and the
-all-reduce averages R + L_r into R + mean(L_r), what one process would have accumulated.
+Per step: one all-reduce of Ψ elements, 2Ψ in the paper's count. A second backward adds its
+local L_r to the averaged R every rank holds, and the all-reduce averages R + L_r into
+R + mean(L): accumulation stays right.
 
-Communication per step: one all-reduce of Ψ elements, 2Ψ in the paper's count.
-
-Under `model.no_sync()` (accumulation.py) a backward only adds into that buffer and sends
-nothing; the next backward outside it all-reduces the sum: 2Ψ per optimizer step, whatever
-the number of micro-batches (torch's DDP.no_sync()).
+The plain stage (`zero_lab/plain/stage0.py`, which copies each gradient into its bucket) plus
+no_sync (accumulation.py: one all-reduce per optimizer step), unused and frozen parameters
+(gradient_sync.py), mixed precision (mixed_precision.py), DDP's broadcast_buffers
+(buffers.py), and the lockstep, agreement and refusal checks (lockstep.py, agreement.py,
+refusals.py).
 """
 
 from __future__ import annotations

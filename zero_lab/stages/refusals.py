@@ -1,6 +1,7 @@
 """What `shard()` refuses before it changes anything, each refusal with its reason: arguments
 out of range, and models that would otherwise train silently wrong (batch statistics, sparse
-or renormalising embeddings, meta or non-fp32 parameters, parameters sharing memory).
+or renormalising embeddings, meta or non-fp32 parameters, parameters sharing memory, a
+model holding one that shard() already returned).
 """
 
 from __future__ import annotations
@@ -119,6 +120,13 @@ def check_model(model: nn.Module) -> None:
         raise TypeError(f"shard() takes an nn.Module, got {type(model).__name__}")
     if getattr(model, SHARDED_ATTR, None) is not None:
         raise ValueError("this model is already sharded; shard() a fresh model")
+    for name, module in model.named_modules():
+        owner = getattr(module, SHARDED_ATTR, None)  # its parameters are in flat buffers
+        if owner is not None:
+            raise ValueError(
+                f"model.{name} is already sharded (stage {owner.sync.stage}): shard() the "
+                "outer model once, built from modules no shard() call has changed (shard() "
+                "moved that part's parameters into its own flat buffers and hooks)")
     for name, module in model.named_modules():
         if (isinstance(module, nn.modules.batchnorm._BatchNorm)
                 and not isinstance(module, nn.SyncBatchNorm)):

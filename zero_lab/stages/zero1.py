@@ -1,53 +1,43 @@
 """Stage 1 (ZeRO P_os): shard the optimizer states, keep full parameters and gradients.
 
-What is sharded: the optimizer. Each rank keeps Adam's m and v (and, in mixed precision, the
-fp32 master weights) only for the slice of each flat buffer it owns: K·Ψ/N bytes instead of
-K·Ψ. Parameters and gradients stay full on every rank: (p + g)·Ψ + K·Ψ/N per rank
-(ZeRO paper, section 5.1).
+Each rank keeps Adam's m and v (and, in mixed precision, the fp32 masters) only for the
+slice of each flat buffer it owns: (p + g)·Ψ + K·Ψ/N bytes per rank (ZeRO paper, 5.1).
 
-When each collective fires:
-1. During backward nothing is sent. Gradients accumulate into a full flat gradient buffer per
-   group, as in stage 0 (every `param.grad` is a view of it).
-2. When backward ends (the callback queued on the autograd engine), one reduce-scatter per
-   group: each rank receives the sum over ranks of *its own slice* only, which is all its
-   optimizer needs. The result is written into the owned part of the gradient buffer; the
-   rest of the buffer, which another rank owns, is zeroed.
-3. `opt.step()` updates the owned slice of the parameters, then one all-gather per group
-   brings every rank's updated slice to every rank (not N broadcasts).
+    backward       nothing sent; gradients accumulate into a full flat gradient buffer per
+                   bucket, as in stage 0 (every `param.grad` is a view of it)
+    backward ends  (the callback queued on the autograd engine) REDUCE-SCATTER per bucket:
+                   the averaged gradient of this rank's own slice, written into the owned
+                   part of the buffer; the rest of the buffer is zeroed
+    opt.step()     update the owned slice; ALL-GATHER per bucket brings every rank's
+                   updated slice to every rank (not N broadcasts)
 
-Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, the same as plain data
-parallelism, for N times less optimizer memory (ZeRO paper, section 7.2.1).
+Per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, as plain data parallelism (section 7.2.1).
 
-Hiding it (shard()'s options, Megatron-LM's names; the same bytes, sent at other times):
-- `overlap_grad_reduce=True`: step 2 moves into backward. A bucket's reduce-scatter starts
-  as soon as its last gradient is in the buffer, with stage 2's queue of buckets in flight
-  (in_flight.py), while autograd goes on with earlier layers; backward's end waits for the
-  last ones. The full buffer stays (it is stage 1's), so no limit on buckets in flight.
-- `overlap_param_gather=True`: step 3's all-gathers are only issued; the next forward waits
-  for each bucket in a pre-hook of the modules owning it; a raw read of a parameter
-  before then waits for its own bucket (param_gather.py's ParameterInFlight, which also
-  lists what else waits).
-- `overlap_step=True` (with overlap_grad_reduce): backward's end leaves the last
-  reduce-scatters in flight; `opt.step()` updates each bucket as its slice lands and issues
-  its all-gather at once.
+Gradient accumulation: after one backward the owned slice holds the average R; a second
+backward adds the local L_r on top, and averaging R + L_r would divide R by N again. So from
+the second backward on, gradients are divided by N on their way in ("pre-divide", as torch's
+DDP default comm hook does) and the reduce-scatter sums: R + sum over s of L_s/N = R + mean(L).
 
-Gradient accumulation: after one backward, rank r's owned slice holds the averaged gradient
-R, and a second backward adds its local gradient L_r on top. Averaging R + L_r with the other
-ranks' L_s would divide R by N again. So from the second backward on, gradients are divided
-by N on their way in ("pre-divide", as torch's DDP default comm hook does) and the
-reduce-scatter *sums*: R + L_r/N + sum over s of L_s/N = R + mean(L). Correct.
+The plain stage (`zero_lab/plain/stage1.py`, which reduces in `opt.step()`) plus:
 
-Under `model.no_sync()` (accumulation.py) a backward only adds into the full buffer (by the
-same rule: pre-divided once the slice holds an average); the next backward outside it
-reduce-scatters the sum: Ψ + Ψ per optimizer step whatever the number of micro-batches, the
-gradient memory stage 1 pays anyway (Megatron-LM's distributed optimizer is this stage).
-
-The seed notes' variant, `variant="all_reduce"`, all-reduces the full gradients instead and
-keeps the owned slice: 2Ψ + Ψ for the all-gather = 3Ψ per step, for the same memory.
-Notebook 03 measures both with the ledger.
-
-`ZeroRedundancyOptimizer` at the bottom is the same stage 1 reducing in `step()` instead of
-at the end of backward, behind the signature of `torch.distributed.optim.ZeroRedundancyOptimizer`.
+    addition                        module              why a real implementation needs it
+    reduce when backward ends       gradient_sync.py    gradients final when backward returns
+                                                        (for clipping and reads), as in DDP
+    pre-divide, no_sync             zero1.py,           several backwards a step average right
+                                      accumulation.py
+    reduce during backward;         in_flight.py        overlap (`overlap_grad_reduce`,
+      a step per bucket as it lands                     `overlap_step`): the same bytes, earlier
+    the all-gather under the next   param_gather.py     hides the gather; a raw read of a
+      forward                                           parameter waits for its own bucket
+    mixed precision, fp32 masters   mixed_precision.py  16-bit compute, the update in fp32
+    unused and frozen parameters    gradient_sync.py    a missing gradient named, or agreed on
+    lockstep, agreement, refusals   lockstep.py,        ranks that differ fail together, named;
+                                      refusals.py       misuse refused before it trains wrong
+    the direct exchange on gloo     collectives/        gloo runs a reduce-scatter as a whole
+                                      exchange.py       all-reduce (twice the bytes)
+    `zero1_variant="all_reduce"`;   zero1.py            the seed notes' stage 1 (3Ψ a step,
+      ZeroRedundancyOptimizer                           notebook 03); torch's signature, reducing
+                                                        in `step()`
 """
 
 from __future__ import annotations

@@ -1,41 +1,36 @@
 """Stage 2 (ZeRO P_os+g): shard the optimizer states and the gradients.
 
-What is sharded: the optimizer states, as in stage 1, and now the gradients too. Each rank
-keeps the averaged gradient only for the slice it owns; the parameters stay full:
-p·Ψ + (g + K)·Ψ/N bytes per rank (ZeRO paper, section 5.2).
+Each rank keeps the averaged gradient of its own slice only; the parameters stay full:
+p·Ψ + (g + K)·Ψ/N bytes per rank (ZeRO paper, section 5.2). The collectives fire *during*
+backward, bucket by bucket (a bucket is one flat group of about `bucket_mb` megabytes):
 
-When each collective fires: *during* backward, bucket by bucket (a bucket is one flat group
-of about `bucket_mb` megabytes).
-1. A parameter's post-accumulate-grad hook copies its fresh gradient into its bucket's full
-   flat gradient buffer and drops `param.grad`: that full gradient is gone at once.
-2. When the last gradient of a bucket has arrived, an asynchronous reduce-scatter of the
-   bucket starts, and autograd goes on with earlier layers (overlap). The bucket's buffer is
-   freed as soon as that reduce-scatter has completed; at most `MAX_IN_FLIGHT` buckets wait.
-   So a full gradient lives only until its bucket is sent, and the gradient memory of a step
-   peaks at a few buckets instead of Ψ.
-3. The callback queued on the autograd engine waits for the last reduce-scatters. Each rank
-   now holds its slice of the averaged gradient, added to what earlier backward calls left
-   there (gradient accumulation).
-4. `opt.step()` updates the owned slice and all-gathers it, one collective per bucket.
-   With `overlap_param_gather=True` it only issues them: the next forward waits for each
-   bucket in a pre-hook of the modules owning it (param_gather.py). With `overlap_step=True`
-   step 3 waits for nothing: `opt.step()` updates each bucket as soon as its slice lands and
-   issues that bucket's all-gather at once (what reads gradients first waits: in_flight.py).
+    gradient hook  each fresh gradient is copied into its bucket's full flat gradient buffer
+                   and `param.grad` dropped (a post-accumulate-grad hook)
+    bucket full    REDUCE-SCATTER (average) it, asynchronously, while autograd goes on; its
+                   buffer is freed once that completes (at most `MAX_IN_FLIGHT` wait), so
+                   gradient memory peaks at a few buckets instead of Ψ
+    backward ends  the callback queued on the autograd engine waits for the last ones; each
+                   rank's slice holds its averaged gradient, added to what earlier backward
+                   calls left there (gradient accumulation)
+    opt.step()     update the owned slice; ALL-GATHER it, one collective per bucket
 
-Communication per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, as stage 0 and stage 1.
+Per step: reduce-scatter Ψ + all-gather Ψ = 2Ψ, as stages 0 and 1.
 
-Gradient accumulation under `model.no_sync()` (accumulation.py), `grad_accumulation`:
-- "sharded" (default): nothing changes, every backward reduce-scatters as above and adds its
-  slice to the last: the gradient saving holds, and k micro-batches send kΨ + Ψ.
-- "unsharded": a backward under no_sync keeps each bucket's full gradient (`_held`, Ψ in
-  all: stage 1's gradient memory) and the next backward adds into it and reduce-scatters the
-  sum once, freeing it: 2Ψ per optimizer step (FSDP2's set_requires_gradient_sync(False)
-  with set_reshard_after_backward(False), which keeps its parameters gathered between them).
+The plain stage (`zero_lab/plain/stage2.py`) plus:
 
-The seed blog's "ZeRO-2" reached a higher peak than its ZeRO-1 because its reduce-scatter
-concatenated N copies of every gradient and its hooks returned None, which keeps the gradient
-instead of discarding it. Here the full gradient's memory is really released: `param.grad =
-None` in the hook, and the bucket buffer dropped once sent (notebook 04 measures it).
+    addition                        module              why a real implementation needs it
+    the all-gather under the next   param_gather.py,    hides the gather (a raw read waits for
+      forward; a step per bucket      in_flight.py      its bucket); the update overlaps the
+      as its slice lands                                last reduce-scatters
+    no_sync, `grad_accumulation`    accumulation.py     micro-batches: reduce-scatter each (the
+      "sharded" or "unsharded"                          saving holds) or hold one full gradient
+    mixed precision, fp32 masters   mixed_precision.py  16-bit compute, the update in fp32
+    unused and frozen parameters    gradient_sync.py    a missing gradient named, or agreed on
+    torch's clip_grad_norm_         torch_clipping.py   `.grad` is None: the slices' global norm
+    lockstep, agreement, refusals   lockstep.py,        ranks that differ fail together, named;
+                                      refusals.py       misuse refused before it trains wrong
+    the direct exchange on gloo     collectives/        gloo runs a reduce-scatter as a whole
+                                      exchange.py       all-reduce (twice the bytes)
 """
 
 from __future__ import annotations

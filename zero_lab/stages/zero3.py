@@ -1,37 +1,8 @@
 """Stage 3 (ZeRO P_os+g+p, FSDP's full sharding): shard the parameters too.
 
-What is sharded: everything. Each rank keeps only its slice of the parameters, of the
-gradients and of the optimizer states: (p + g + K)·Ψ/N bytes per rank (ZeRO paper, section
-5.3), 16Ψ/N with Adam in fp32 or in mixed precision. Full parameters exist only while the
-*unit* that needs them computes.
-
-Units. The model is cut into units, as FSDP wraps modules: by default every child module
-that owns trainable parameters (containers such as nn.ModuleList and nn.Sequential are
-looked into, so each block of a stack is a unit), or every module of the classes you list
-(`unit_classes`, FSDP's wrapping policy); units.py cuts the model. What no unit claims (and
-a weight tied or shared between two units) belongs to the unit enclosing both, at the least
-the root unit, the model itself. The root unit is sharded like the others (FSDP2's choice),
-or, with `root_params="replicate"`, kept whole on every rank: its gradient all-reduced, its
-parameters stepped whole (DeepSpeed's choice for parameters below its persistence threshold).
-Each unit's trainable parameters are one `FlatParamGroup`
-(partition.py): this rank holds the slice [r·S, (r+1)·S) of its padded flat buffer, in
-memory of its own (`Unit.local`). A unit is gathered by hooks on its forward, so it must be
-*called*: a parent that reads a child's weight without calling the child needs
-`unit_classes` that leave the child inside the parent's unit. Otherwise the read is
-refused at the op, naming the weight and its unit: between its unit's calls a parameter is
-a `ParameterAtRest` (at_rest.py), which lets through looks, in-place updates under no_grad
-and a torch optimizer's step, and refuses any other read (an L2 term over
-model.parameters(), a weight norm logged under no_grad). Activation
-checkpointing works (the non-reentrant kind, as for stages 0-2): a forward recomputed
-during backward finds its unit gathered and leaves it so.
-
-At rest, every original nn.Parameter stays in its module, so names, tied weights and user
-references stay valid, but its `.data` is its piece of this rank's slice: a 1-D view,
-possibly empty (while it rests its class is at_rest.ParameterAtRest, a subclass of
-nn.Parameter). So `model.parameters()` yields the local slices (as FSDP2 does) and any
-element-wise torch optimizer built on them updates local data only, with no communication.
-
-One training step, for one unit of Ψ_u elements (the collectives in CAPITALS):
+Each rank keeps its slice of the parameters, gradients and optimizer states: (p + g + K)·Ψ/N
+bytes (ZeRO paper, section 5.3). Full parameters exist only while the *unit* that needs them
+computes. One training step, for one unit of Ψ_u elements (the collectives in CAPITALS):
 
     forward pre-hook     ALL-GATHER the unit (Ψ_u) into its full buffer; the parameters
                          become parameter-shaped views of it
@@ -46,76 +17,47 @@ One training step, for one unit of Ψ_u elements (the collectives in CAPITALS):
     the unit's backward  gradients of the full parameters; each is copied into the unit's
                          full gradient buffer and dropped (stage 2's hook)
     last gradient in     release the full parameters; REDUCE-SCATTER the full gradient
-                         (Ψ_u), asynchronously: this rank's averaged slice is added to its
-                         gradient slice, and the full gradient is freed once sent
+                         (Ψ_u), asynchronously, into this rank's gradient slice
 
-Per step: two all-gathers of Ψ and one reduce-scatter of Ψ = 3Ψ, 1.5x the 2Ψ of stages 0-2
-(ZeRO paper, section 7.2.2), for N times less parameter memory. When `loss.backward()`
-returns, the callback queued on the autograd engine has waited for every reduce-scatter:
-each parameter's `.grad` is its piece of the final averaged gradient slice.
+Per step: two all-gathers and one reduce-scatter of Ψ = 3Ψ, 1.5x stages 0-2 (section 7.2.2).
+`Zero3` subclasses `Zero2` (zero2.py: the gradient hooks, the asynchronous reduce-scatter,
+the end-of-backward wait) and adds the units' gathering and releasing.
 
-Prefetch (`prefetch=True`): the first step records the order in which units run forward
-and backward; later steps start the all-gather of the *next* unit, asynchronously, as soon
-as the current one starts computing (its forward pre-hook, or the first gradient reaching
-its outputs in backward), so communication overlaps computation. At most two units are
-gathered at once (the current and the next): FSDP2's limit of two all-gathers in flight.
-`prefetch=k` (an int >= 1) is the limit itself: the next k units of the recorded order are
-gathered ahead, so at most k + 1 units are gathered at once, k + 1 units' worth of full
-parameters (FSDP2 sets the same depth by listing modules: `set_modules_to_forward_prefetch`,
-`set_modules_to_backward_prefetch`). `prefetch=True` is k = 1, `prefetch=False` k = 0: each
-unit gathered when it is called. The bytes sent are the same for every k: only when.
+The plain stage (`zero_lab/plain/stage3.py`) plus:
 
-Backward prefetch here is what FSDP2 does by default: when a unit's backward starts (the
-first gradient reaching its outputs), the all-gather of the unit backward runs next starts.
-FSDP2 differs in three ways: explicit prefetch lists (the depth k above); its targets come
-from this step's forward order reversed, so it prefetches from the first step (here from
-the second, in the order the first backward recorded); and on a GPU the CPU issues the
-all-gathers ahead of the device's compute, so backward's first unit (the last forward ran)
-is not waited for alone. The last one could matter on a CPU too: `prefetch_into_backward`
-(an attribute, off) starts the first k units' all-gathers when a training forward ends
-instead of at their pre-backward hooks. `make bench` (6 x Linear(1024), 2 CPU ranks, gloo;
-42 rounds on a quiet machine in 7 runs; each system's round median over stage 3's in the
-same round, median and range): prefetch=False 1.065 (0.994-1.166), prefetch=2 0.990
-(0.902-1.054), backward's first unit at forward end 0.994 (0.910-1.086), no limit (every
-other unit ahead, prefetch=5) 0.952 (0.882-1.050), for the whole model's full parameters
-gathered at once instead of two units' worth. None is faster beyond the spread, so the
-default stays prefetch=True (k = 1) and the attribute off: on two cores a rank's all-gather
-needs the same CPU its compute does, so gathering earlier has little to hide behind.
-
-`reshard_after_forward=False` (FSDP2's name) keeps a unit gathered from its forward to its
-backward (2Ψ per step, full parameters resident meanwhile) and, under `model.no_sync()`, to
-the next micro-batch (accumulation.py); a forward without gradients and `opt.step()` still
-release (a full copy kept past the step would be stale). `reshard_after_forward=d` (an int,
-a divisor of N with 1 < d < N: FSDP2's int form, ZeRO++'s hpZ) sits between the two: after
-forward a unit keeps this rank's 1/d of its gathered buffer (units.Unit.post, P_u / d
-elements beside the resting P_u / N) and backward all-gathers from it inside a group of d
-consecutive ranks (one node, when d is the node's size) instead of all N: the bytes of the
-message are the same, each rank sends (d - 1)/d of it instead of (N - 1)/N, and none of it
-crosses between groups. Forward's all-gather and the reduce-scatter still span all N ranks.
-
-Why rebinding `.data` alone would not free memory (the seed blog's `release`): autograd
-holds references to the tensors forward used; `param.data = shard` moves the parameter but
-leaves those references, and the memory, alive. Here the storage itself shrinks to zero.
-
-`torch.compile(model)` is refused at stage 3, at its first traced forward: a compiled graph
-cannot follow parameters whose storage the hooks free and refill (it saves the weights and
-finds them modified in place). Stages 0-2 compile and match one process.
-
-Stage 3 is stage 2 plus parameter sharding, and the code says so: `Zero3` subclasses
-`Zero2`, which brings the gradient hooks, the in-order hand-over, the end-of-backward
-callback (gradient_sync.py) and the asynchronous reduce-scatter into the gradient slice;
-it adds the gathering and releasing of units. Frozen parameters (requires_grad=False) are
-sharded too, as FSDP2 shards them (for LoRA-style fine-tuning the frozen base is most of the
-memory): each unit's frozen parameters are a flat group of their own (units.FrozenPart),
-this rank keeping ceil(Ψ_f / N) elements at rest, all-gathered with the unit and freed with
-it; no gradient, no reduce-scatter, no optimizer state, so a step sends 2Ψ_f for them beside
-the trainable 3Ψ (Ψ_f with reshard_after_forward=False). Backward may need a frozen weight
-after the unit's last gradient is in (a frozen Linear's gradient with respect to its input),
-so such a unit is released once the gradients of its inputs are computed (a hook on the
-inputs, as FSDP2's post-backward), and the root unit, or a unit enclosing others, when
-backward ends. A frozen parameter that no unit with trainable parameters encloses (a frozen
-module at the root of a model whose root has no trainable parameter of its own) stays
-whole, as do a replicated root's.
+    addition                          module              why a real implementation needs it
+    units by class (`unit_classes`),  units.py            a model's blocks are its natural units;
+      tied weights in the unit that                       a tied embedding must be one weight;
+      encloses their users, the root                      the root's norms shard or replicate
+      unit sharded or replicated                          (`root_params`)
+    a resting parameter is its 1-D    at_rest.py          names, tied weights and references stay
+      piece; other reads refused                          valid and a torch optimizer steps the
+                                                          pieces; a stray read (an L2 term) is
+                                                          refused by name, not wrong silently
+    prefetch of the next k units      zero3.py            the all-gather overlaps compute (order
+                                                          learnt in the first step; k + 1 units
+                                                          gathered at most)
+    `reshard_after_forward` False or  zero3.py, units.py  2Ψ a step for resident parameters, or
+      an int d                          (Unit.post)       backward's gather kept in d ranks
+    no_sync, `grad_accumulation`      accumulation.py     micro-batches: reduce-scatter each, or
+                                                          hold one full gradient and send once
+    mixed precision: fp32 masters,    mixed_precision.py  16-bit compute, the update in fp32
+      `keep_fp32`, `reduce_dtype`
+    frozen parameters sharded         units.py            LoRA: the frozen base is most of the
+      (FrozenPart), released after                        memory; backward may still need a
+      their inputs' gradients                             frozen weight after the last gradient
+    lockstep of steps and forward     lockstep.py,        a rank whose units ran in another
+      order; `check_order`              zero3.py          order would pair the wrong gathers
+    refusals: torch.compile, pieces   zero3.py,           a compiled graph cannot follow storage
+      in `model.state_dict()`           loading.py        freed and refilled; pieces are no
+                                                          checkpoint (full_state_dict is)
+    activation checkpointing          recompute.py        a recomputed forward finds its unit
+                                                          gathered and leaves it so
+    hybrid sharding (`mesh`)          hybrid.py           all-gathers stay inside a group
+    the direct exchange on gloo       collectives/        gloo runs a reduce-scatter as a whole
+                                        exchange.py       all-reduce (twice the bytes)
+    profiler marks                    profiling/marks.py  each unit's forward, backward and
+                                                          collectives named in a trace
 """
 
 from __future__ import annotations
