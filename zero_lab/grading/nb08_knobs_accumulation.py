@@ -41,16 +41,20 @@ def expected_messages(run: dict, world_size: int) -> dict:
                                  reshard_after_forward=run["reshard_after_forward"])
 
 
-def check_bytes_match_formula(report: dict) -> int:
-    """Every run's collectives of one optimizer step equal the formula exactly; returns how
-    many runs were checked."""
-    n = report["world_size"]
-    for run in report["runs"]:
-        expected = expected_messages(run, n)
+def _check_ledgers(runs: list[dict], world_size: int, formula) -> int:
+    """Each run's ledger of one optimizer step equals `formula(run, world_size)` exactly."""
+    for run in runs:
+        expected = formula(run, world_size)
         measured = {op: dict(s) for op, s in run["comm"].items()}
         assert measured == expected, (f"{_name(run)}: the ledger counted {measured}, the "
                                       f"formula gives {expected}")
-    return len(report["runs"])
+    return len(runs)
+
+
+def check_bytes_match_formula(report: dict) -> int:
+    """Every run's collectives of one optimizer step equal the formula exactly; returns how
+    many runs were checked."""
+    return _check_ledgers(report["runs"], report["world_size"], expected_messages)
 
 
 def expected_fsdp2_messages(run: dict, world_size: int) -> dict:
@@ -64,13 +68,7 @@ def expected_fsdp2_messages(run: dict, world_size: int) -> dict:
 def check_fsdp2_bytes_match_formula(report: dict) -> int:
     """Every FSDP2 run's collectives of one optimizer step equal the formula exactly (the
     same ledger as ours); returns how many runs were checked."""
-    n = report["world_size"]
-    for run in report["fsdp2"]:
-        expected = expected_fsdp2_messages(run, n)
-        measured = {op: dict(s) for op, s in run["comm"].items()}
-        assert measured == expected, (f"{_name(run)}: the ledger counted {measured}, the "
-                                      f"formula gives {expected}")
-    return len(report["fsdp2"])
+    return _check_ledgers(report["fsdp2"], report["world_size"], expected_fsdp2_messages)
 
 
 def check_held_between(report: dict) -> None:
