@@ -64,12 +64,7 @@ def train(model: nn.Module, opt, batch) -> CommLedger:
 def plain_weights(stage: int, model: nn.Module, opt) -> dict[str, torch.Tensor]:
     if stage < 3:  # the parameters are full on every rank after a step
         return {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for unit in opt.units:  # stage 3: gather every unit, read, release
-        unit.gather()
-    weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    for unit in opt.units:
-        unit.release()
-    return weights
+    return opt.full_weights(model)
 
 
 def largest_difference(a: dict, b: dict) -> float:

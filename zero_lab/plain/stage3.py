@@ -129,3 +129,12 @@ class FullySharded:
 
     def zero_grad(self) -> None:
         self.optimizer.zero_grad()
+
+    def full_weights(self, model: nn.Module) -> dict[str, torch.Tensor]:
+        """The model's weights, whole: every unit gathered, read (copies), released again."""
+        for unit in self.units:
+            unit.gather()
+        weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+        for unit in self.units:
+            unit.release()
+        return weights

@@ -53,14 +53,7 @@ def plain_beside_real(mlp, batches: list, device: torch.device) -> dict:
                 opt.zero_grad()
         out[key] = {"ledger": ledger.summary(), "signature": ledger.signature(),
                     "sent_bytes": ledger.total_bytes()}
-        if key == "plain":  # gather every unit, read, release
-            for unit in opt.units:
-                unit.gather()
-            weights[key] = {k: v.detach().clone() for k, v in model.state_dict().items()}
-            for unit in opt.units:
-                unit.release()
-        else:
-            weights[key] = full_state_dict(model)
+        weights[key] = opt.full_weights(model) if key == "plain" else full_state_dict(model)
     out["max_abs_diff"] = max(float((weights["plain"][k] - weights["shard"][k]).abs().max())
                               for k in weights["shard"])
     return out
