@@ -82,13 +82,13 @@ test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 # A check that fails on a busy machine is a defect: soak runs each notebook RUNS times under
 # nbval with LOAD CPU-bound processes beside it and prints the pass count per notebook.
 soak: setup ## run notebooks RUNS times under nbval beside LOAD busy processes (NB=06 RUNS=50 LOAD=2)
-	$(PY) -m zero_lab.soak --runs $(RUNS) --load $(LOAD) $(if $(NB),--only $(NB))
+	$(PY) -m zero_lab.course.soak --runs $(RUNS) --load $(LOAD) $(if $(NB),--only $(NB))
 
 student: setup ## write student copies (solutions replaced by stubs) to build/student/
 	$(PY) -m zero_lab.grading student --out build/student
 
 bench: setup ## benchmark DDP, ZeroRedundancyOptimizer and zero_lab stages into a folder of its own under runs/bench/
-	$(PY) -m zero_lab.bench
+	$(PY) -m zero_lab.course.bench
 
 clean: ## remove executed notebooks, run outputs, student copies and caches (keeps .venv)
 	rm -rf runs build notebooks/workers .pytest_cache .ruff_cache

@@ -1,5 +1,5 @@
 """nbval's notebooks are held to the course's printed width: a cell that prints a line wider
-than zero_lab.course.PRINT_WIDTH fails, naming the line (issue 35: every line a learner reads
+than zero_lab.course.runner.PRINT_WIDTH fails, naming the line (issue 35: every line a learner reads
 fits the screen). Here at the repository root so it reaches the notebooks nbval collects;
 the tests in tests/ have their own conftest.py."""
 
@@ -13,7 +13,7 @@ def pytest_runtest_call(item):
     result = yield
     outputs = getattr(item, "test_outputs", None)  # set by nbval's cell items as they run
     if outputs is not None and type(item).__name__ == "IPyNbCell":
-        from zero_lab.course import PRINT_WIDTH, wide_lines
+        from zero_lab.course.runner import PRINT_WIDTH, wide_lines
 
         wide = wide_lines(outputs)
         if wide:

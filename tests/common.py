@@ -10,7 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from zero_lab.launch import torchrun
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 WORLD_CASES = REPO_ROOT / "tests" / "workers" / "world_cases.py"
 WORLD_SIZES = (1, 2, 3)  # of stages 0-3 (tests/workers/world_cases.py)

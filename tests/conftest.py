@@ -11,7 +11,7 @@ import pytest
 @pytest.fixture(scope="session", autouse=True)
 def figures_apart(tmp_path_factory):
     """Notebooks the tests run (in JupyterLab, with nbclient) save their figures in a folder of
-    this session's, read by zero_lab.paths.figures_dir and inherited by the kernels: `make
+    this session's, read by zero_lab.launch.paths.figures_dir and inherited by the kernels: `make
     test` runs nbval beside pytest, and its notebooks save the same names in runs/figures."""
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("ZERO_LAB_FIGURES_DIR", str(tmp_path_factory.mktemp("figures")))

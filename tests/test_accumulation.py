@@ -18,7 +18,7 @@ import torch
 from common import case_reports
 
 from zero_lab.grading import nb08_knobs_accumulation as nb08
-from zero_lab.knob_formulas import accumulation_messages, accumulation_volume
+from zero_lab.predict.knobs import accumulation_messages, accumulation_volume
 from zero_lab.stages.accumulation import check_accumulation_arguments
 
 FP32_ATOL = 1e-6  # fp32 weights ~0.1-1 after 4 Adam steps; measured worst 3e-8

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from zero_lab import bench
-from zero_lab.capacity import available_cores
-from zero_lab.memory import model_state_bytes
+from zero_lab.course import bench
+from zero_lab.launch.capacity import available_cores
+from zero_lab.predict.memory import model_state_bytes
 
 CONFIG = bench.BenchConfig(width=48, depth=3, batch=4, rounds=2, steps=2, warmup=2)
 PSI = 3 * (48 * 48 + 48)
@@ -237,7 +237,7 @@ def test_ddp_is_built_with_its_defaults(monkeypatch):
     import torch.distributed as dist
     from torch.nn.parallel import distributed
 
-    from zero_lab.bench_systems import build_ddp
+    from zero_lab.course.bench_systems import build_ddp
 
     built = {}
 
@@ -257,7 +257,7 @@ def test_ddp_is_built_with_its_defaults(monkeypatch):
 def test_fsdp2s_cpu_times_carry_their_caveat(result):
     """FSDP2 on gloo runs its reduce-scatter as an all-reduce of a copy: both outputs say its
     CPU times are no guide to GPUs, in lines a notebook prints whole; on NCCL they do not."""
-    from zero_lab.bench_systems import caveats
+    from zero_lab.course.bench_systems import caveats
 
     assert result["backend"] == "gloo" and "fsdp2" in result["systems"]
     for text in (Path(result["paths"]["markdown"]).read_text(), bench.format_targets(result)):

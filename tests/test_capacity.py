@@ -8,7 +8,7 @@ import warnings
 
 import pytest
 
-from zero_lab import capacity, paths
+from zero_lab.launch import capacity, paths
 
 MiB = capacity.MiB
 

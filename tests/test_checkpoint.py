@@ -18,7 +18,7 @@ from common import MEASURE_CONSOLIDATION
 from zero_lab import checkpoint
 from zero_lab.checkpoint import CheckpointError
 from zero_lab.launch import LaunchError, torchrun
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 CASES = REPO_ROOT / "tests" / "workers" / "checkpoint_cases.py"
 sys.path.insert(0, str(CASES.parent))

@@ -34,7 +34,7 @@ from zero_lab import checkpoint
 from zero_lab.checkpoint import CheckpointError
 from zero_lab.checkpoint.manifest import read_manifest, verify_files
 from zero_lab.checkpoint.saving import check_step
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 sys.path.insert(0, str(REPO_ROOT / "tests" / "workers"))
 from checkpoint_cases import Net, adamw, train  # noqa: E402

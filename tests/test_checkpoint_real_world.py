@@ -24,7 +24,7 @@ from zero_lab.checkpoint.groups import match_groups
 from zero_lab.checkpoint.manifest import read_manifest, seal, verify_files
 from zero_lab.checkpoint.saving import check_step
 from zero_lab.launch import torchrun
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 WORKER = REPO_ROOT / "tests" / "workers" / "checkpoint_real_world.py"
 

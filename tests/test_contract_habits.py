@@ -10,7 +10,7 @@ import pytest
 from common import case_reports
 
 from zero_lab.launch import LaunchError, torchrun
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 FP32_ATOL = 1e-6  # fp32 weights after a few Adam steps (the contract tests measure ~2e-7)
 

@@ -17,8 +17,8 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from zero_lab import course
-from zero_lab.paths import REPO_ROOT
+from zero_lab.course import runner as course
+from zero_lab.launch.paths import REPO_ROOT
 
 
 def _notebook(path, *sources):
@@ -212,7 +212,7 @@ def _no_kernel(monkeypatch) -> list:
 
 def test_too_many_ranks_are_refused_before_any_kernel(course_dirs, monkeypatch, capsys):
     # Failed before: `make run NPROC=64` on 2 cores ran until the out-of-memory killer.
-    monkeypatch.setattr("zero_lab.capacity.available_cores", lambda: 2)
+    monkeypatch.setattr("zero_lab.launch.capacity.available_cores", lambda: 2)
     _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
     started = _no_kernel(monkeypatch)
     with pytest.raises(SystemExit) as info:
@@ -224,8 +224,8 @@ def test_too_many_ranks_are_refused_before_any_kernel(course_dirs, monkeypatch, 
 
 
 def test_more_ranks_than_memory_are_refused_before_any_kernel(course_dirs, monkeypatch, capsys):
-    monkeypatch.setattr("zero_lab.capacity.available_cores", lambda: 16)
-    monkeypatch.setattr("zero_lab.capacity.available_memory", lambda: 2**30)
+    monkeypatch.setattr("zero_lab.launch.capacity.available_cores", lambda: 16)
+    monkeypatch.setattr("zero_lab.launch.capacity.available_memory", lambda: 2**30)
     _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
     started = _no_kernel(monkeypatch)
     with pytest.raises(SystemExit):
@@ -248,7 +248,7 @@ def test_a_device_the_machine_lacks_is_refused_before_any_kernel(course_dirs, mo
 
 def test_make_figures_copies_from_the_run_it_made(course_dirs):
     _notebook(course_dirs / "notebooks" / "00_a.ipynb",
-              "from zero_lab.paths import figures_dir\n"
+              "from zero_lab.launch.paths import figures_dir\n"
               "(figures_dir() / 'made_here.png').write_bytes(b'png')")
     course.main(["figures", "--nproc", "1", "--backend", "gloo"])
     assert sorted(p.name for p in (course_dirs / "committed_figures").iterdir()) == [
@@ -283,7 +283,7 @@ def test_a_figure_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from zero_lab.plots import save_figure
+    from zero_lab.course.plots import save_figure
 
     monkeypatch.setenv("ZERO_LAB_FIGURES_DIR", str(tmp_path))
     fig = plt.figure()

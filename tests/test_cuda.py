@@ -6,7 +6,7 @@ rank scripts run on NCCL, one rank per GPU (at most 2), at small sizes:
 - measured.PeakMemory and MemoryTimeline read the CUDA allocator;
 - stages 0-3, workloads.train and PeakMemory on CUDA (deep_mlp_runs.py, notebooks 03-04);
 - step_timeline.measure_step on CUDA (zero3_lifecycle.py, notebook 05);
-- collectives.cost_model's timing with its CUDA synchronize (collective_sweep.py, notebook 02);
+- collectives.timing with its CUDA synchronize (collective_sweep.py, notebook 02);
 - profiling.capture with CUDA activity, read back as a "cuda" timeline (profile_systems.py,
   notebook 06);
 - bench_systems and bench_worker on CUDA (`make bench` with backend="nccl").
@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from zero_lab.launch import resolve_backend, torchrun
-from zero_lab.paths import WORKERS
+from zero_lab.launch.paths import WORKERS
 
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available(),
@@ -43,7 +43,7 @@ def test_auto_picks_nccl_and_each_rank_its_own_gpu():
 
 
 def test_peak_memory_and_timeline_read_the_cuda_allocator():
-    from zero_lab.measured import MemoryTimeline, PeakMemory
+    from zero_lab.measure.memory import MemoryTimeline, PeakMemory
 
     device = torch.device("cuda", 0)
     with PeakMemory(device) as peak:
@@ -103,7 +103,7 @@ def test_profiler_traces_read_as_a_cuda_timeline(tmp_path):
 
 
 def test_bench_trains_every_system_alike_on_gpus(tmp_path):
-    from zero_lab import bench
+    from zero_lab.course import bench
 
     config = bench.BenchConfig(width=64, depth=3, batch=4, rounds=1, steps=2, warmup=2)
     result = bench.run(config=config, nproc=NPROC, backend="nccl", out=tmp_path,

@@ -21,7 +21,7 @@ import math
 import pytest
 from common import worker_reports
 
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 WORKER = REPO_ROOT / "tests" / "workers" / "masters_frozen_cases.py"
 N = 2

@@ -14,9 +14,9 @@ import copy
 import pytest
 
 from zero_lab.grading import nb08_knobs_accumulation as nb08
-from zero_lab.knob_formulas import fsdp2_accumulation_messages
 from zero_lab.launch import torchrun
-from zero_lab.paths import WORKERS
+from zero_lab.launch.paths import WORKERS
+from zero_lab.predict.knobs import fsdp2_accumulation_messages
 
 N, WIDTH, DEPTH, K = 2, 15, 2, 4
 PSI = DEPTH * (16 * WIDTH + 16) * 4  # weight 15 x 15 and bias 15, dim 0 padded to 16; fp32

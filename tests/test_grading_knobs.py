@@ -9,9 +9,9 @@ from test_grading import _exercises, assert_check_grades
 
 from zero_lab.grading import ExerciseFailed
 from zero_lab.grading import nb08_knobs as nb08
-from zero_lab.knob_formulas import accumulation_messages
-from zero_lab.paths import NOTEBOOKS
-from zero_lab.projection import hybrid_bytes_per_step
+from zero_lab.launch.paths import NOTEBOOKS
+from zero_lab.predict.knobs import accumulation_messages
+from zero_lab.predict.projection import hybrid_bytes_per_step
 
 NB08 = NOTEBOOKS / "08_knobs.ipynb"
 EXERCISES = _exercises(NB08)

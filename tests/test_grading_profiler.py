@@ -7,7 +7,7 @@ import pytest
 from test_grading import _exercises, assert_check_grades
 
 from zero_lab.grading import nb06_profiler as nb06
-from zero_lab.paths import NOTEBOOKS
+from zero_lab.launch.paths import NOTEBOOKS
 
 NB06 = NOTEBOOKS / "06_profiler_analysis.ipynb"
 

@@ -22,7 +22,7 @@ from zero_lab.grading.nb05_zero3 import (
     judge_post_backward,
 )
 from zero_lab.grading.remote import exercise_key, run_on_ranks
-from zero_lab.partition import allocate_storage, free_storage
+from zero_lab.stages.partition import allocate_storage, free_storage
 
 # ------------------------------------------------------------------ materialize / release
 

@@ -22,7 +22,7 @@ from zero_lab.grading.nb08_knobs_hsdp import (
     check_held,
     check_knob_hsdp,
 )
-from zero_lab.projection import hybrid_bytes_per_step
+from zero_lab.predict.projection import hybrid_bytes_per_step
 
 N, MESH = 4, (2, 2)
 TOLERANCE = 1e-5  # fp32, three Adam steps: the reductions run in another order

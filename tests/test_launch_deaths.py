@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from zero_lab.launch import LaunchError, torchrun
-from zero_lab.launch_failures import _rank_exits, _RankExit, _silent_death
+from zero_lab.launch.failures import _rank_exits, _RankExit, _silent_death
 
 DIE = Path(__file__).parent / "workers" / "launch_die.py"
 
@@ -52,7 +52,7 @@ E1123 06:20:01.100000 100 torch/distributed/elastic/multiprocessing/api.py:1003]
 (exitcode: 1) local_rank: 0 (pid: 200) of binary: /usr/bin/python
 torch.distributed.elastic.multiprocessing.errors.ChildFailedError:
 ============================================================
-zero_lab.worker FAILED
+zero_lab.launch.rank_side FAILED
 ------------------------------------------------------------
 Failures:
 [1]:

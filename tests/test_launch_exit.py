@@ -51,7 +51,7 @@ def test_no_rank_aborts_at_exit_under_load():
 
 
 def test_a_rank_finishes_its_exchanges_before_it_leaves():
-    """Failed before worker.py finished them: rank 0 died with "Connection closed by peer"
+    """Failed before launch/rank_side.py finished them: rank 0 died with "Connection closed by peer"
     (notebook 07's checkpoint demo, once in a CI run, stage 2's gathers left in flight)."""
     result = torchrun(Path(__file__).parent / "workers" / "exchange_left_in_flight.py",
                       nproc=2, timeout=120, stream=False)

@@ -23,7 +23,7 @@ from zero_lab.grading.remote import (
     explain_rank_error,
     run_on_ranks,
 )
-from zero_lab.launch_failures import failure
+from zero_lab.launch.failures import failure
 
 WORKER = str(Path(__file__).parent / "workers" / "launch_exercise.py")
 ABORT_BEFORE = RankExercise(WORKER, "abort_before", lambda: (torch.ones(1),))

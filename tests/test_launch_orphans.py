@@ -13,7 +13,7 @@ import pytest
 from common import alive
 
 from zero_lab.launch import LaunchTimeout, torchrun
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 WORKER = REPO_ROOT / "tests" / "workers" / "launch_orphan.py"
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),

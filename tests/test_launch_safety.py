@@ -25,9 +25,10 @@ from pathlib import Path
 import pytest
 from common import alive
 
-from zero_lab import capacity, launch, launch_env
-from zero_lab.launch import LaunchError, torchrun
-from zero_lab.paths import REPO_ROOT
+from zero_lab import launch
+from zero_lab.launch import LaunchError, capacity, torchrun
+from zero_lab.launch import env as launch_env
+from zero_lab.launch.paths import REPO_ROOT
 
 TESTS = Path(__file__).parent
 WORKERS = TESTS / "workers"

@@ -20,10 +20,11 @@ import pytest
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGE = ROOT / "zero_lab"
 
-PARENT_ONLY = ("zero_lab.grading", "zero_lab.bench", "zero_lab.plots", "zero_lab.trace_plots",
-               "zero_lab.scaling_plots", "zero_lab.knob_plots", "zero_lab.knob_table",
-               "zero_lab.course", "zero_lab.soak",
-               "zero_lab.widgets")
+PARENT_ONLY = ("zero_lab.grading", "zero_lab.course.bench", "zero_lab.course.plots",
+               "zero_lab.course.trace_plots", "zero_lab.course.scaling_plots",
+               "zero_lab.course.knob_plots",
+               "zero_lab.course.runner", "zero_lab.course.__main__", "zero_lab.course.soak",
+               "zero_lab.course.widgets")
 RANK_SIDE = "zero_lab.workers"
 # Rank scripts that run other rank scripts' parts in their own launch (one torchrun start-up
 # instead of several on a 2-core machine); each part still runs alone as its own script.
@@ -34,8 +35,9 @@ RANK_IMPORTS_ALLOWED = {
 
 # Modules longer than ~400 lines, each one idea read top to bottom.
 LONG_MODULES = {
-    "zero_lab/memory.py": "the calculators, in the order notebook 01 teaches them; no torch",
-    "zero_lab/plots.py": "one figure function per notebook section, in course order",
+    "zero_lab/predict/memory.py": "the calculators, in the order notebook 01 teaches them; "
+                                  "no torch",
+    "zero_lab/course/plots.py": "one figure function per notebook section, in course order",
     "zero_lab/stages/zero3.py": "stage 3 read top to bottom: one step's hooks, in order, with "
                                 "prefetch and reshard_after_forward woven through them",
 }
@@ -150,13 +152,13 @@ def test_test_workers_import_no_parent_code():
 
 @pytest.mark.parametrize("where, own_side, source, expected", [
     ("zero_lab.workers.new", "rank", "from zero_lab import grading", "imports parent-only"),
-    ("zero_lab.workers.new", "rank", "def f():\n    from zero_lab.bench import run",
-     "imports parent-only zero_lab.bench"),
+    ("zero_lab.workers.new", "rank", "def f():\n    from zero_lab.course.bench import run",
+     "imports parent-only zero_lab.course.bench"),
     ("zero_lab.workers.new", "rank", "from zero_lab.workers.bench_worker import Run",
      "imports the rank script"),
     ("zero_lab.grading.new", "parent", "from zero_lab.workers.zero3_exercises import CASES",
      "imports the rank script"),
-    ("zero_lab.partition", "shared", "import zero_lab.plots", "imports parent-only"),
+    ("zero_lab.stages.partition", "shared", "import zero_lab.course.plots", "imports parent-only"),
     ("notebook cell", "parent", "import zero_lab.workers", "imports the rank script"),
 ])
 def test_a_forbidden_import_is_caught(where, own_side, source, expected):
@@ -166,9 +168,10 @@ def test_a_forbidden_import_is_caught(where, own_side, source, expected):
 
 def test_allowed_imports_pass():
     assert violations({"zero_lab.workers.new": ("rank", "from zero_lab.stages import shard\n"
-                                                        "from zero_lab import exercises")},
+                                                        "from zero_lab.course import exercises")},
                       KNOWN) == []
-    assert violations({"zero_lab.grading.new": ("parent", "from zero_lab.paths import WORKERS")},
+    assert violations({"zero_lab.grading.new": ("parent",
+                                                 "from zero_lab.launch.paths import WORKERS")},
                       KNOWN) == []
 
 

@@ -1,4 +1,4 @@
-"""zero_lab.memory: exact byte counts, published values, error messages, properties."""
+"""zero_lab.predict.memory: exact byte counts, published values, error messages, properties."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_lab import memory
+from zero_lab.predict import memory
 
 GB = 10**9
 GiB = 2**30
@@ -47,7 +47,7 @@ def test_sixteen_bytes_both_ways_with_different_split():
 
 
 def test_memory_imports_without_torch():
-    code = "import sys, zero_lab.memory; assert 'torch' not in sys.modules"
+    code = "import sys, zero_lab.predict.memory; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 
@@ -413,8 +413,8 @@ def test_fused_attention_keeps_no_s_squared_term():
 @pytest.mark.parametrize("s, b, h, a", [(64, 2, 64, 4), (33, 3, 48, 3)])
 def test_what_torchs_fused_attention_block_saves_is_the_fused_formula(s, b, h, a):
     torch = pytest.importorskip("torch")
-    from zero_lab.measured import saved_activation_bytes
-    from zero_lab.workloads import Block
+    from zero_lab.course.workloads import Block
+    from zero_lab.measure.memory import saved_activation_bytes
 
     block = Block(h, a).to(torch.bfloat16).train()  # F.scaled_dot_product_attention, no dropout
     x = torch.randn(b, s, h, dtype=torch.bfloat16, requires_grad=True)
@@ -428,8 +428,8 @@ def test_what_torchs_fused_attention_block_saves_is_the_fused_formula(s, b, h, a
 @pytest.mark.parametrize("s, b, h, a", [(64, 2, 64, 4), (33, 3, 48, 3)])
 def test_what_autograd_saves_for_a_gpt_layer_is_the_formula_to_the_byte(s, b, h, a):
     torch = pytest.importorskip("torch")
-    from zero_lab.measured import saved_activation_bytes
-    from zero_lab.workloads import GPTLayer
+    from zero_lab.course.workloads import GPTLayer
+    from zero_lab.measure.memory import saved_activation_bytes
 
     layer = GPTLayer(h, a).to(torch.bfloat16).train()
     x = torch.randn(s, b, h, dtype=torch.bfloat16, requires_grad=True)

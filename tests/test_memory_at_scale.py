@@ -4,9 +4,9 @@ does not divide."""
 
 from __future__ import annotations
 
-from zero_lab import memory
 from zero_lab.launch import torchrun
-from zero_lab.paths import WORKERS
+from zero_lab.launch.paths import WORKERS
+from zero_lab.predict import memory
 
 
 def test_one_rank_of_n_holds_the_formula_plus_padding_up_to_n_1024():
@@ -31,7 +31,7 @@ def test_one_rank_of_n_holds_the_formula_plus_padding_up_to_n_1024():
 def test_the_gpt_keeps_its_tied_head_after_the_meta_device_build():
     # to_empty() gives every parameter its own storage, which unties the head from the token
     # embedding: the worker must re-tie it, or Ψ grows by vocab x width (75 -> 76 tensors)
-    from zero_lab.workloads import TinyGPT, count_parameters
+    from zero_lab.course.workloads import TinyGPT, count_parameters
 
     shape = dict(vocab_size=96, seq_len=8, d_model=16, n_heads=2, n_layers=2, bias=False)
     tied = count_parameters(TinyGPT(**shape))

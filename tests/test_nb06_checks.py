@@ -13,7 +13,7 @@ import re
 import pytest
 
 from zero_lab.grading import nb06_profiler as nb06
-from zero_lab.paths import NOTEBOOKS
+from zero_lab.launch.paths import NOTEBOOKS
 from zero_lab.profiling import checks
 from zero_lab.profiling.analysis import breakdown
 from zero_lab.profiling.marks import OPTIMIZER_STEP

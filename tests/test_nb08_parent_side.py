@@ -21,13 +21,13 @@ import matplotlib.pyplot as plt  # noqa: E402
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 
-from zero_lab import knob_table  # noqa: E402
+from zero_lab.course.knob_plots import accumulation_figure  # noqa: E402
 from zero_lab.grading import nb08_knobs_recompute as rc_checks  # noqa: E402
-from zero_lab.knob_formulas import (  # noqa: E402
+from zero_lab.grading import nb08_knobs_tables as knob_table  # noqa: E402
+from zero_lab.predict.knobs import (  # noqa: E402
     accumulation_messages,
     fsdp2_accumulation_messages,
 )
-from zero_lab.knob_plots import accumulation_figure  # noqa: E402
 from zero_lab.workers.knob_accumulation import FSDP2_RUNS, RUNS  # noqa: E402
 
 KS, PSI, N = (1, 4, 8), 1000, 2

@@ -105,6 +105,6 @@ def test_the_tests_save_figures_apart_from_the_notebooks():
     """Notebooks the tests run (student copies in JupyterLab and nbclient) save their figures
     where nbval's notebooks, run beside them, never do (failed before: both in runs/figures,
     e.g. 03_zero1_who_owns_what.png from the browser test's student copy and from nbval)."""
-    from zero_lab.paths import RUNS, figures_dir
+    from zero_lab.launch.paths import RUNS, figures_dir
 
     assert not figures_dir().resolve().is_relative_to(RUNS.resolve())

@@ -1,8 +1,8 @@
-"""shard()'s overlap options (stages/param_gather.py, stages/in_flight.py), from the "overlap"
-part of tests/workers/world_cases.py (tests/workers/overlap_cases.py): every variant trains
-as one process on the global batch, bit for bit as its plain stage, sends the same bytes per
-step, and every reader outside a forward waits for what is still in flight (each reader's
-mutant, its waits switched off, reads something else)."""
+"""shard()'s overlap options (stages/param_gather.py, stages/reductions_in_flight.py), from
+the "overlap" part of tests/workers/world_cases.py (tests/workers/overlap_cases.py): every
+variant trains as one process on the global batch, bit for bit as its plain stage, sends the
+same bytes per step, and every reader outside a forward waits for what is still in flight
+(each reader's mutant, its waits switched off, reads something else)."""
 
 from __future__ import annotations
 

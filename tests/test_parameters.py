@@ -1,5 +1,5 @@
 """A notebook's parameters, checked in the cell after its `parameters` cell, before any work:
-each rule refused by name, with the value and the rule (zero_lab.parameters).
+each rule refused by name, with the value and the rule (zero_lab.course.parameters).
 
 Each test names the mutant of `check_parameters` it catches."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from zero_lab import parameters
-from zero_lab.capacity import RANK_BASE_BYTES
-from zero_lab.parameters import check_parameters, mlp_rank_bytes
+from zero_lab.course import parameters
+from zero_lab.course.parameters import check_parameters, mlp_rank_bytes
+from zero_lab.launch.capacity import RANK_BASE_BYTES
 
 GiB = 2**30
 
@@ -19,9 +19,9 @@ GiB = 2**30
 @pytest.fixture(autouse=True)
 def big_machine(monkeypatch):
     """A machine with room for the ranks below unless a test says otherwise (the check reads
-    cores and memory through zero_lab.capacity)."""
-    monkeypatch.setattr("zero_lab.capacity.available_cores", lambda: 16)
-    monkeypatch.setattr("zero_lab.capacity.available_memory", lambda: 64 * GiB)
+    cores and memory through zero_lab.launch.capacity)."""
+    monkeypatch.setattr("zero_lab.launch.capacity.available_cores", lambda: 16)
+    monkeypatch.setattr("zero_lab.launch.capacity.available_memory", lambda: 64 * GiB)
 
 
 def test_the_defaults_pass_and_return_the_backend():
@@ -144,14 +144,14 @@ def test_device_cuda_without_a_gpu_is_refused(monkeypatch):
 
 def test_nproc_checked_against_the_cores(monkeypatch):
     # mutant: no capacity check (64 ranks on 2 cores: the out-of-memory killer, 26 s in)
-    monkeypatch.setattr("zero_lab.capacity.available_cores", lambda: 2)
+    monkeypatch.setattr("zero_lab.launch.capacity.available_cores", lambda: 2)
     with pytest.raises(ValueError, match=r"nproc=64 ranks on 2 cores: refused"):
         check_parameters(64, "auto", "cpu")
 
 
 def test_nproc_checked_against_the_memory_a_rank_needs(monkeypatch):
     # mutant: rank_bytes not passed on (the base alone fits, the model does not)
-    monkeypatch.setattr("zero_lab.capacity.available_memory", lambda: 4 * GiB)
+    monkeypatch.setattr("zero_lab.launch.capacity.available_memory", lambda: 4 * GiB)
     check_parameters(4, "auto", "cpu", rank_bytes=RANK_BASE_BYTES)
     with pytest.raises(ValueError, match=r"nproc=4 ranks need about 8,192 MiB"):
         check_parameters(4, "auto", "cpu", rank_bytes=2 * GiB)
@@ -159,14 +159,14 @@ def test_nproc_checked_against_the_memory_a_rank_needs(monkeypatch):
 
 def test_no_capacity_check_where_nothing_is_launched(monkeypatch):
     # notebook 01 runs in one process: its nproc is only type-checked
-    monkeypatch.setattr("zero_lab.capacity.available_cores", lambda: 1)
+    monkeypatch.setattr("zero_lab.launch.capacity.available_cores", lambda: 1)
     assert check_parameters(64, "auto", "cpu", rank_bytes=None) == "gloo"
 
 
 def test_other_launch_sizes_are_checked_by_their_name(monkeypatch):
     # notebook 07's measured_worlds and 08's HSDP mesh launch ranks too
     # mutant: `ranks` ignored
-    monkeypatch.setattr("zero_lab.capacity.available_cores", lambda: 2)
+    monkeypatch.setattr("zero_lab.launch.capacity.available_cores", lambda: 2)
     with pytest.raises(ValueError, match=r"max\(measured_worlds\)=16 ranks on 2 cores"):
         check_parameters(2, "auto", "cpu", ranks={"max(measured_worlds)": 16})
 
@@ -203,7 +203,7 @@ def _run_00(tmp_path, parameters: dict):
     import nbformat
     import papermill
 
-    from zero_lab.course import kernel_config
+    from zero_lab.course.runner import kernel_config
 
     nb = nbformat.read(NOTEBOOK_00, as_version=4)
     last = next(i for i, c in enumerate(nb.cells)

@@ -1,4 +1,4 @@
-"""zero_lab.partition: the padded flat buffer every stage shares.
+"""zero_lab.stages.partition: the padded flat buffer every stage shares.
 
 Layout properties are checked in-process for many shapes and world sizes (hypothesis); the
 collectives (reduce-scatter into the owned slice, all-gather of the full buffer after its
@@ -14,7 +14,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 
-from zero_lab.partition import (
+from zero_lab.stages.partition import (
     FlatParamGroup,
     allocate_storage,
     bucket_parameters,

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 from common import case_reports
 
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 PLAIN = REPO_ROOT / "zero_lab" / "plain"
 STAGE_FILES = [PLAIN / f"stage{k}.py" for k in range(4)]

@@ -20,7 +20,7 @@ from __future__ import annotations
 import pytest
 from common import worker_reports
 
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 WORKER = REPO_ROOT / "tests" / "workers" / "masters_frozen_cases.py"
 

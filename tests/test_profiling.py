@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from zero_lab.launch import torchrun
-from zero_lab.paths import WORKERS
+from zero_lab.launch.paths import WORKERS
 from zero_lab.profiling import checks, marks
 from zero_lab.profiling import intervals as iv
 from zero_lab.profiling.analysis import (
@@ -209,7 +209,7 @@ def test_capture_settles_after_each_step_while_the_profiler_records(tmp_path):
 
 def test_capture_primes_each_step_outside_its_window(tmp_path):
     """Each step follows a priming step of the same system with nothing between them, and
-    the priming step's ops lie outside every step window (step_clock.py says why)."""
+    the priming step's ops lie outside every step window (measure/step_timing.py says why)."""
     calls: list[str] = []
 
     def prime() -> None:

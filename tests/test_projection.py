@@ -1,4 +1,4 @@
-"""zero_lab.projection: the ring formula, per-stage step projections, stage recommendations,
+"""zero_lab.predict.projection: the ring formula, per-stage step projections, stage recommendations,
 and what the model says about the seed blog's section 5 claims."""
 
 from __future__ import annotations
@@ -7,9 +7,11 @@ import dataclasses
 
 import pytest
 
-from zero_lab import interconnect, memory, projection
-from zero_lab.collectives.cost_model import AlphaBeta, AlphaBetaModel, ring_bytes_sent, ring_steps
-from zero_lab.projection import Link, collective_time, project_step, recommend
+from zero_lab.collectives.timing import AlphaBeta, AlphaBetaModel
+from zero_lab.collectives.volume import ring_bytes_sent, ring_steps
+from zero_lab.predict import links as interconnect
+from zero_lab.predict import memory, projection
+from zero_lab.predict.projection import Link, collective_time, project_step, recommend
 
 GiB = 2**30
 # 10 us per ring step and 1 GB/s: numbers easy to check by hand.
@@ -401,7 +403,7 @@ def _ranks_by_stepping(n_params, gpu_bytes, world_size, link, rows, precision, o
     time. The reference the closed form must equal wherever this finishes."""
     import math
 
-    from zero_lab.interconnect import Machine, get_link, max_world_size
+    from zero_lab.predict.links import Machine, get_link, max_world_size
 
     room = gpu_bytes * (1 - reserve_fraction) - rows[3]["activation_bytes"] - rows[3]["floor_bytes"]
     per_param = memory.bytes_per_param(precision, optimizer)["total"]
@@ -691,7 +693,7 @@ def test_the_sweep_worker_times_the_direct_exchange():
     """collective_sweep.py on 2 gloo ranks: torch's all-reduce and the exchange's
     reduce-scatter and all-gather, each row saying its transport (what fit_op_links reads)."""
     from zero_lab.launch import torchrun
-    from zero_lab.paths import WORKERS
+    from zero_lab.launch.paths import WORKERS
 
     run = torchrun(WORKERS / "collective_sweep.py", nproc=2, backend="gloo", stream=False,
                    timeout=120, args=["--ops", "all_reduce", "--direct-ops", "reduce_scatter",

@@ -1,5 +1,5 @@
 """Recompute per unit (`shard(..., checkpoint_activations=...)`, zero_lab/stages/recompute.py)
-at every stage, and the trade-off calculator (zero_lab/recompute_tradeoff.py).
+at every stage, and the trade-off calculator (zero_lab/predict/recompute.py).
 
 The multi-rank numbers come from tests/workers/recompute_cases.py, one part of the launch of
 tests/workers/world_cases.py at N = 2 and 4: a 3-block GPT, 3 steps of Adam at stages 0-3,
@@ -14,11 +14,11 @@ import torch
 from common import case_reports
 from torch import nn
 
-from zero_lab import memory, projection
-from zero_lab import recompute_tradeoff as T
-from zero_lab import workloads as W
+from zero_lab.course import workloads as W
 from zero_lab.grading import nb08_knobs_recompute as checks
-from zero_lab.measured import saved_activation_bytes
+from zero_lab.measure.memory import saved_activation_bytes
+from zero_lab.predict import memory, projection
+from zero_lab.predict import recompute as T
 from zero_lab.stages.recompute import (
     check_checkpoint_activations,
     modules_to_recompute,

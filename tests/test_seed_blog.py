@@ -1,4 +1,4 @@
-"""The seed blog's ZeRO (zero_lab/seed_blog.py) and the deep-MLP worker of notebooks 03-04
+"""The seed blog's ZeRO (zero_lab/course/seed_blog.py) and the deep-MLP worker of notebooks 03-04
 (zero_lab/workers/deep_mlp_runs.py): the blog's ownership rule, and one small launch that
 trains a zero_lab stage and the blog's ZeRO-1/2 on 2 gloo ranks."""
 
@@ -9,9 +9,9 @@ from functools import cache
 
 import pytest
 
+from zero_lab.course.seed_blog import owned_indices, owner_ranks
 from zero_lab.launch import torchrun
-from zero_lab.paths import WORKERS
-from zero_lab.seed_blog import owned_indices, owner_ranks
+from zero_lab.launch.paths import WORKERS
 
 # ------------------------------------------------------------------ ownership rule
 

@@ -8,7 +8,7 @@ import json
 import nbformat
 import pytest
 
-from zero_lab import soak
+from zero_lab.course import soak
 
 
 def _notebook(path, *cells):

@@ -9,7 +9,7 @@ import re
 
 import pytest
 
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 PACKAGE = REPO_ROOT / "zero_lab"
 REAL = {0: "ddp", 1: "zero1", 2: "zero2", 3: "zero3"}

@@ -1,4 +1,4 @@
-"""Steps are timed back to back (zero_lab/step_clock.py), in `make bench` and notebook 06.
+"""Steps are timed back to back (zero_lab/measure/step_timing.py), in `make bench` and notebook 06.
 
 A fake world with a clock makes this exact: a "stage" whose `opt.step()` leaves an
 all-gather in flight that takes GATHER seconds by itself, which the next forward (or
@@ -19,8 +19,8 @@ import pytest
 import torch
 from torch import nn
 
-from zero_lab.capacity import available_cores
-from zero_lab.step_clock import (
+from zero_lab.launch.capacity import available_cores
+from zero_lab.measure.step_timing import (
     CpuMeter,
     settle_in_flight,
     time_back_to_back,
@@ -112,7 +112,7 @@ def test_refuses_an_empty_block():
 
 def test_the_bench_times_steps_back_to_back(monkeypatch):
     """`make bench`'s own loop (bench_worker.Run.timed_steps) on the fake stage."""
-    from zero_lab.bench_systems import BenchConfig, Trainer
+    from zero_lab.course.bench_systems import BenchConfig, Trainer
     from zero_lab.workers import bench_worker
 
     world = FakeWorld()

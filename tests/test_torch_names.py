@@ -1,10 +1,10 @@
-"""zero_lab.torch_names: the course's collective names on a torch that lacks them."""
+"""zero_lab.collectives.torch_names: the course's collective names on a torch that lacks them."""
 
 from types import SimpleNamespace
 
 import torch.distributed as dist
 
-from zero_lab import torch_names
+from zero_lab.collectives import torch_names
 
 
 def test_an_older_torch_gets_the_new_names_as_the_old_functions():

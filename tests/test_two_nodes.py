@@ -12,7 +12,7 @@ import sys
 
 import torch
 
-from zero_lab.paths import REPO_ROOT
+from zero_lab.launch.paths import REPO_ROOT
 
 WORKER = REPO_ROOT / "tests" / "workers" / "two_nodes_case.py"
 

@@ -1,4 +1,4 @@
-"""zero_lab.widgets: the calculator's logic, without a browser."""
+"""zero_lab.course.widgets: the calculator's logic, without a browser."""
 
 from __future__ import annotations
 
@@ -7,7 +7,8 @@ import inspect
 import matplotlib.pyplot as plt
 import pytest
 
-from zero_lab import memory, plots, widgets
+from zero_lab.course import plots, widgets
+from zero_lab.predict import memory
 
 GiB = 2**30
 

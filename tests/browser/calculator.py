@@ -1,6 +1,6 @@
 """Notebook 01's memory calculator as the page shows it, through the classes the widget sets.
 
-The contract (zero_lab/widgets.py): the chart is an ipywidgets Image whose <img> has class
+The contract (zero_lab/course/widgets.py): the chart is an ipywidgets Image whose <img> has class
 `zero-lab-chart`; the verdict is an HTML widget of class `zero-lab-verdict` with one line per
 stage, "stage 2: 41.23 GiB per rank -> does NOT fit" or "-> fits"; the world size is a
 SelectionSlider of class `zero-lab-world-size`, the parameter count one of class

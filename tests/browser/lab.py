@@ -138,8 +138,8 @@ def error_outputs(page: Page) -> list[str]:
 
 def wide_lines(page: Page) -> list[str]:
     """'cell i: (width) line' for every printed line wider than the course allows
-    (zero_lab.course.PRINT_WIDTH, the rule nbval holds the other notebooks to)."""
-    from zero_lab.course import PRINT_WIDTH
+    (zero_lab.course.runner.PRINT_WIDTH, the rule nbval holds the other notebooks to)."""
+    from zero_lab.course.runner import PRINT_WIDTH
 
     return [f"cell {i}: ({len(line)}) {line}"
             for i in range(page.locator(CELLS).count()) for out in outputs(page, i)

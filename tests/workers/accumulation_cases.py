@@ -20,10 +20,10 @@ import torch.distributed as dist
 from stage_cases import error_message
 
 from zero_lab import checkpoint
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
+from zero_lab.course import workloads as W
 from zero_lab.launch import init_worker, report
-from zero_lab.measured import PeakMemory, held_bytes
+from zero_lab.measure.memory import PeakMemory, held_bytes
 from zero_lab.stages import full_state_dict, shard
 
 STEPS = 3

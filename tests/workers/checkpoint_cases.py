@@ -144,7 +144,7 @@ def bad_inputs(job: dict, rank: int, world: int) -> dict:
 
 
 def save_big(job: dict, rank: int, world: int) -> dict:
-    from zero_lab.workloads import deep_mlp
+    from zero_lab.course.workloads import deep_mlp
 
     torch.manual_seed(0)
     model, opt = shard(deep_mlp(1024, 8), 3, optimizer=adamw)

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from zero_lab import workloads as W
+from zero_lab.course import workloads as W
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard, sharded_optimizer
 from zero_lab.stages.mixed_precision import COMPUTE_DTYPES, mixed_precision_reference

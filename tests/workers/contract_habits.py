@@ -40,7 +40,7 @@ import torch.distributed as dist
 from stage_cases import error_message  # a sibling worker: `Type: message` of what fn() raises
 from torch import nn
 
-from zero_lab import workloads as W
+from zero_lab.course import workloads as W
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import ZeroRedundancyOptimizer, full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from zero_lab import workloads as W
+from zero_lab.course import workloads as W
 from zero_lab.launch import init_worker
 from zero_lab.stages import shard
 

@@ -1,6 +1,6 @@
 """Rank 1 issues an all-gather by the direct exchange and ends its script without waiting
 (as a stage 1-2 run ends after its last opt.step(), the gathers left for a next forward);
-rank 0 reaches the same all-gather a second later. Without worker.py finishing rank 1's
+rank 0 reaches the same all-gather a second later. Without launch/rank_side.py finishing rank 1's
 exchanges before it leaves, rank 0's receive meets a closed connection."""
 
 import time

@@ -17,9 +17,9 @@ import torch.distributed as dist
 from stage_cases import SEED, error_message
 
 from zero_lab import checkpoint
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
 from zero_lab.collectives.exchange import Exchange
+from zero_lab.course import workloads as W
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 

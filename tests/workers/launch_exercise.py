@@ -1,5 +1,5 @@
 """Test worker for tests/test_launch_grading.py: grades a learner function the way the course's
-rank scripts do (zero_lab.exercises.run_exercises), with rank 1 aborting on request.
+rank scripts do (zero_lab.course.exercises.run_exercises), with rank 1 aborting on request.
 
     launch_exercise.py SOURCE_FILE EXERCISE:FUNCTION [...]
 
@@ -15,7 +15,7 @@ import sys
 import torch
 import torch.distributed as dist
 
-from zero_lab.exercises import run_exercises
+from zero_lab.course.exercises import run_exercises
 
 
 def run_summed(fn, out: dict) -> None:

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 
 from zero_lab.launch import init_worker, report
-from zero_lab.worker import ENV_AGENT_PID, _descendants
+from zero_lab.launch.rank_side import ENV_AGENT_PID, _descendants
 
 LISTEN = "0A"  # the TCP state column of /proc/net/tcp{,6}
 

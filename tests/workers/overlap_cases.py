@@ -1,5 +1,5 @@
 """Per-rank cases for tests/test_overlap.py: shard()'s overlap options (stages/param_gather.py,
-stages/in_flight.py) train as one process does, send the same bytes, and every reader of
+stages/reductions_in_flight.py) train as one process does, send the same bytes, and every reader of
 parameters or gradients outside a forward waits for what is still in flight.
 
 Equivalence: each variant trains 3 steps of a small model (width 64, a bucket per layer) and
@@ -27,8 +27,8 @@ from stage_cases import SEED, digest
 from torch import nn
 
 from zero_lab import checkpoint
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
+from zero_lab.course import workloads as W
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 

@@ -16,8 +16,8 @@ import contextlib
 import torch
 from torch import nn
 
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
+from zero_lab.course import workloads as W
 from zero_lab.plain import stage0, stage1, stage2, stage3
 from zero_lab.stages import full_state_dict, shard
 

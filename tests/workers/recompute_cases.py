@@ -19,8 +19,8 @@ import torch
 from stage_cases import SEED, digest, local_batches, optimizer_function
 from torch import nn
 
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
+from zero_lab.course import workloads as W
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import group_layout, mixed_precision_reference

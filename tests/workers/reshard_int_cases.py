@@ -11,8 +11,8 @@ from __future__ import annotations
 
 import torch
 
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
+from zero_lab.course import workloads as W
 from zero_lab.stages import full_state_dict, shard
 
 D, BATCH, STEPS = 33, 8, 3

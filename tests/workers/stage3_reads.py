@@ -37,7 +37,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from zero_lab import checkpoint as zero_checkpoint
-from zero_lab import workloads as W
+from zero_lab.course import workloads as W
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference

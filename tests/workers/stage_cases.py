@@ -16,12 +16,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
+from zero_lab.course import workloads as W
 from zero_lab.launch import init_worker, report
-from zero_lab.partition import FlatParamGroup, allocate_storage, free_storage
 from zero_lab.stages import ZeroRedundancyOptimizer, full_state_dict, shard, sharded_optimizer
 from zero_lab.stages.mixed_precision import mixed_precision_reference
+from zero_lab.stages.partition import FlatParamGroup, allocate_storage, free_storage
 
 STEPS = 10
 GLOBAL_BATCH = 24  # splits evenly over 1, 2, 3, 4 ranks, then into 2 micro-batches
@@ -67,7 +67,7 @@ MODELS = {  # name: (constructor, global batch of a step, loss)
                               bias=False),
             lambda s: W.gpt_batch(s, GLOBAL_BATCH, 6, 23), W.next_token_loss),
 }
-OPTIMIZERS = {  # name (as zero_lab.memory spells it): (class, hyperparameters)
+OPTIMIZERS = {  # name (as zero_lab.predict.memory spells it): (class, hyperparameters)
     "adam": (torch.optim.Adam, {"lr": 1e-2}),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),

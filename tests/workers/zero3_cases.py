@@ -28,13 +28,13 @@ from stage_cases import (
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
+from zero_lab.course import workloads as W
+from zero_lab.course.seed_blog import blog_zero3_gradient
 from zero_lab.launch import init_worker, report
-from zero_lab.seed_blog import blog_zero3_gradient
+from zero_lab.measure.memory_timeline import activation_bytes, measure_step
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.zero3 import Zero3
-from zero_lab.step_timeline import activation_bytes, measure_step
 
 
 class Checkpointed(nn.Module):
@@ -95,7 +95,7 @@ class _Done:
 
 
 def blog_gradients(sync: Zero3) -> None:
-    """Give stage 3 the seed blog's gradient step (`zero_lab.seed_blog.blog_zero3_gradient`):
+    """Give stage 3 the seed blog's gradient step (`zero_lab.course.seed_blog.blog_zero3_gradient`):
     instead of reduce-scattering, each rank cuts *its own* chunk out of its full gradient and
     all-reduces that, so rank 0's chunk 0 is averaged with rank 1's chunk 1. A group's full
     buffer is padded to N equal slices, so the blog's dim-0 chunk r is this rank's slice."""

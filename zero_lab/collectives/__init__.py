@@ -1,12 +1,13 @@
-"""Collectives from first principles: ring algorithms, a byte ledger, a cost model, and the
-direct exchange the stages send on gloo.
+"""Collectives from first principles: ring algorithms, a byte ledger, their bytes and timing,
+and the direct exchange the stages send on gloo.
 
 Every ZeRO stage is a choice of *which collective moves which bytes when*. The modules,
 in reading order:
 
     ring.py        reduce-scatter, all-gather and all-reduce on isend/irecv only (notebook 02)
-    cost_model.py  the bytes a rank sends per collective (ring and ZeRO-paper counts);
-                   timing sweeps, the alpha-beta fit, algbw / busbw
+    volume.py      the bytes a rank sends per collective (ring and ZeRO-paper counts)
+    timing.py      timing sweeps, the alpha-beta fit, algbw / busbw
+    torch_names.py torch's single-tensor all-gather and reduce-scatter under the course's names
     ledger.py      CommLedger: records every collective a block issues, with its bytes
     exchange.py    reduce-scatter and all-gather as one round of point-to-point messages:
                    what the stages send on gloo, whose own reduce-scatter is an all-reduce
@@ -16,23 +17,6 @@ in reading order:
 The names below are re-exported, so `from zero_lab.collectives import CommLedger` works.
 """
 
-from zero_lab.collectives.cost_model import (
-    RING_OPS,
-    AlphaBeta,
-    AlphaBetaModel,
-    algbw,
-    bus_factor,
-    busbw,
-    describe_bytes,
-    fit_alpha_beta,
-    fit_alpha_beta_points,
-    message_sizes,
-    ring_bytes_sent,
-    ring_steps,
-    sweep,
-    time_collective,
-    zero_volume,
-)
 from zero_lab.collectives.ledger import CommLedger, CommRecord, recorded_as
 from zero_lab.collectives.ring import (
     all_gather_step,
@@ -41,6 +25,25 @@ from zero_lab.collectives.ring import (
     ring_all_reduce,
     ring_reduce_scatter,
     ring_schedule,
+)
+from zero_lab.collectives.timing import (
+    AlphaBeta,
+    AlphaBetaModel,
+    algbw,
+    busbw,
+    fit_alpha_beta,
+    fit_alpha_beta_points,
+    message_sizes,
+    sweep,
+    time_collective,
+)
+from zero_lab.collectives.volume import (
+    RING_OPS,
+    bus_factor,
+    describe_bytes,
+    ring_bytes_sent,
+    ring_steps,
+    zero_volume,
 )
 
 __all__ = [

@@ -8,7 +8,7 @@ wanted slice: it sends *more* than the all-reduce it should halve. Measured on a
 laptop, 2 ranks, 24 MiB of fp32: all-reduce 18 ms, torch's reduce-scatter 27 ms, the direct
 exchange below 9.5 ms (best of 15; notebook 03 and `make bench` time it too).
 
-So on gloo the stages send the bytes themselves (`zero_lab.partition` picks the transport):
+So on gloo the stages send the bytes themselves (`zero_lab.stages.partition` picks the transport):
 
     reduce-scatter   rank r sends every other rank p the chunk p owns, receives the N-1
                      copies of its own chunk, and adds them up (in a fixed order);
@@ -70,7 +70,7 @@ class Exchange:
 
 
 # Every exchange not yet collected, so that a rank finishes its own before it leaves
-# (worker.py): a rank that ends its script with messages still posted (the all-gathers
+# (launch/rank_side.py): a rank that ends its script with messages still posted (the all-gathers
 # overlap_param_gather leaves for a next forward that never comes) closes its connections
 # under a slower peer's receives, and the peer fails with "Connection closed by peer"
 # (seen once in a CI run of notebook 07's checkpoint demo).

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from zero_lab.collectives.cost_model import ring_bytes_sent, zero_volume
+from zero_lab.collectives.volume import ring_bytes_sent, zero_volume
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,7 @@ reference solution fenced by `### BEGIN SOLUTION` / `### END SOLUTION`; the next
     nb08_knobs.py       bytes per optimizer step under accumulation; HSDP's bytes per level
 
 This is the parent side: it starts the rank scripts in zero_lab/workers/, never imports them;
-what both sides need (GradBucket, BareUnit) lives in `zero_lab.exercises`.
+what both sides need (GradBucket, BareUnit) lives in `zero_lab.course.exercises`.
 """
 
 from zero_lab.grading.framework import Case, ExerciseFailed, fail, passed, run_cases, same

@@ -17,7 +17,7 @@ def _bucket_hook_probe() -> tuple:
     import torch
     from torch import nn
 
-    from zero_lab.exercises import GradBucket
+    from zero_lab.course.exercises import GradBucket
 
     param = nn.Parameter(torch.zeros(2))
     param.grad = torch.zeros(2)
@@ -30,7 +30,7 @@ BUCKET_HOOK = RankExercise("zero1_zero2_exercises.py", "bucket_hook", _bucket_ho
 def check_bucket_hook(fn: Callable) -> None:
     """Notebook 04: fn(param, bucket) -> None, stage 2's post-accumulate-grad hook.
 
-    `bucket` is a `zero_lab.exercises.GradBucket`. The hook copies `param.grad` into the
+    `bucket` is a `zero_lab.course.exercises.GradBucket`. The hook copies `param.grad` into the
     bucket's flat buffer (`bucket.full`, allocated by the bucket's first gradient), frees
     `param.grad`, and once every gradient of the bucket has arrived reduce-scatters the
     buffer (average) into this rank's slice, adds it to `bucket.owned_grad`, and frees

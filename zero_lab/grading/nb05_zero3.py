@@ -18,7 +18,7 @@ def _probe_unit():
     import torch
     from torch import nn
 
-    from zero_lab.partition import FlatParamGroup
+    from zero_lab.stages.partition import FlatParamGroup
     from zero_lab.stages.units import Unit
 
     params = [nn.Parameter(torch.zeros(2, 3))]
@@ -28,7 +28,7 @@ def _probe_unit():
 
 
 def _bare_unit_probe() -> tuple:
-    from zero_lab.exercises import BareUnit
+    from zero_lab.course.exercises import BareUnit
 
     return (BareUnit(_probe_unit()),)
 
@@ -41,7 +41,7 @@ POST_BACKWARD = RankExercise("zero3_exercises.py", "post_backward", lambda: (_pr
 def check_materialize_release(materialize: Callable, release: Callable) -> None:
     """Notebook 05: materialize(unit) and release(unit), a stage-3 unit's lifecycle.
 
-    `unit` (a zero_lab.exercises.BareUnit) has `params`, `group`, `local` (this rank's
+    `unit` (a zero_lab.course.exercises.BareUnit) has `params`, `group`, `local` (this rank's
     slice), `full` (the padded flat buffer, its storage freed at rest), `full_views` and
     `local_views`. materialize gives `full` its memory back, all-gathers every rank's
     slice into it (one collective) and makes each parameter its view of `full`; release

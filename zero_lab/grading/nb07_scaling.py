@@ -55,7 +55,7 @@ asserted: the times.
     back to back as training runs them, measured stages 1-2 the same with the parameter
     gather issued early as with it in the step (64.4 and 64.3 ms at stage 1, 61.0 and 62.3 at
     stage 2); the 7-11% it once reported came from its barrier between timed steps, where
-    the early gather finished untimed (`zero_lab.step_clock`). A trace's "hidden" time
+    the early gather finished untimed (`zero_lab.measure.step_timing`). A trace's "hidden" time
     (notebook 06) is time a collective was in flight while compute ran: an upper bound on
     time saved, and on shared cores the two mostly take turns.
   - The lockstep check. Once a step the stages send one all-gather of 24 bytes a rank
@@ -81,7 +81,7 @@ Section 3, the decision table. `check_decision_table` asserts what must hold wha
 projection's numbers: every recommendation that fits leaves `RESERVE_FRACTION` of the GPU
 free on top of the peak floor, and a row where nothing fits says so without advising
 activation checkpointing that is already on. The projected times themselves are lower
-bounds (see `zero_lab.projection`), and no check rules on them. The projected compute is
+bounds (see `zero_lab.predict.projection`), and no check rules on them. The projected compute is
 checked once against a measurement (`check_against_torchtitan`): torchtitan's Llama 3.1 8B on
 8 H100s, 5,762 tokens/s per GPU, which the same configuration's projection must meet within
 25% (tests/test_projection.py pins the projected value itself, so that dropping attention's
@@ -98,9 +98,9 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 
-from zero_lab import memory
 from zero_lab.grading.framework import Case, run_cases
-from zero_lab.projection import FLOOR_UNITS, RESERVE_FRACTION, Recommendation
+from zero_lab.predict import memory
+from zero_lab.predict.projection import FLOOR_UNITS, RESERVE_FRACTION, Recommendation
 
 GiB = 2**30
 

@@ -1,5 +1,5 @@
 """Notebook 08's graded exercises: the bytes two knobs send, checked against the formulas
-the live runs were held to (`zero_lab.knob_formulas`, `zero_lab.projection`).
+the live runs were held to (`zero_lab.predict.knobs`, `zero_lab.predict.projection`).
 
     check_accumulation_bytes   fn(stage, psi_bytes, k, grad_accumulation) -> {op: bytes} of
                                one optimizer step of k micro-batches, the first k - 1 under
@@ -19,8 +19,8 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from zero_lab.grading.framework import Case, run_cases
-from zero_lab.knob_formulas import accumulation_messages
-from zero_lab.projection import hybrid_bytes_per_step
+from zero_lab.predict.knobs import accumulation_messages
+from zero_lab.predict.projection import hybrid_bytes_per_step
 
 # ------------------------------------------------------------- exercise 1: accumulation
 

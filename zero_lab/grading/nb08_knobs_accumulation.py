@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import statistics
 
-from zero_lab.knob_formulas import accumulation_messages, fsdp2_accumulation_messages
+from zero_lab.predict.knobs import accumulation_messages, fsdp2_accumulation_messages
 
 FP32_ATOL = 1e-5  # weights ~0.1 after a few Adam steps; k micro-batches sum in another order
 

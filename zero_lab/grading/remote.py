@@ -25,10 +25,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zero_lab.capacity import CapacityWarning
 from zero_lab.grading.framework import NOT_IMPLEMENTED_HINT, ExerciseFailed, fail
 from zero_lab.launch import LaunchError, LaunchTimeout, torchrun
-from zero_lab.paths import WORKERS
+from zero_lab.launch.capacity import CapacityWarning
+from zero_lab.launch.paths import WORKERS
 
 RANKS = 3  # enough for a middle rank, a remainder and a ring that wraps around
 # What a timeout most often means; a check passes its own hint when it knows better.
@@ -170,7 +170,7 @@ def run_exercise(check: str, exercise: RankExercise, fns: Sequence[Callable],
 def explain_rank_error(check: str, exc: LaunchError, nproc: int) -> None:
     """Turn a failed launch into the learner's own error, with the case it failed on.
 
-    Reads the ranks' reports: records with an "error" (a `zero_lab.exercises.learner_error`)
+    Reads the ranks' reports: records with an "error" (a `zero_lab.course.exercises.learner_error`)
     under "results", at the top level or under any key, or a top-level "error" record.
     """
     for rank in range(nproc):

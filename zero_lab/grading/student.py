@@ -17,7 +17,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-from zero_lab.paths import NOTEBOOKS, STUDENT
+from zero_lab.launch.paths import NOTEBOOKS, STUDENT
 
 BEGIN_MARK = "### BEGIN SOLUTION"
 END_MARK = "### END SOLUTION"

@@ -6,7 +6,7 @@
 A rank owns a contiguous slice of S = ceil(numel / N) elements, whatever the parameter
 sizes (a parameter may straddle two owners). Stage 3 frees the buffer's memory between uses
 and regrows it in place, so every view of it (the parameters, what autograd saved) stays
-valid. `buckets` is the rule the real stages use (zero_lab/partition.py), so the plain stages
+valid. `buckets` is the rule the real stages use (zero_lab/stages/partition.py), so the plain stages
 send collectives of the same sizes.
 """
 

@@ -14,7 +14,7 @@ profiler's schedule skips `wait` steps and warms up for `warmup` more before it 
 A step may leave communication in flight (shard()'s overlap_param_gather: the all-gathers
 wait for the next forward). Then a step recorded alone is not the step training runs: a
 barrier before it gives the last step's all-gathers time that no window sees, and its own
-would run under whatever comes next (zero_lab/step_clock.py measured the bench's "gain" of
+would run under whatever comes next (zero_lab/measure/step_timing.py measured the bench's "gain" of
 overlapping as exactly that). So `prime` runs a step of the same system just before each
 recorded one, outside its window and with no barrier between: the recorded step inherits
 what a step in training inherits. `settle` finishes what the recorded step left, outside

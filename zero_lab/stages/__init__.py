@@ -7,12 +7,12 @@
 
 What each stage shards and when it communicates is told in its own module, top to bottom:
 `ddp.py` (stage 0), `zero1.py`, `zero2.py`, `zero3.py` (with `units.py`). The shared
-mechanics live in `zero_lab/partition.py` (the flat buffers), `gradient_sync.py` (hooks and
+mechanics live in `zero_lab/stages/partition.py` (the flat buffers), `gradient_sync.py` (hooks and
 the end-of-backward callback) and `sharded_optimizer.py` (the optimizer wrapper, clipping,
 mixed precision). What keeps torch's own habits right on a sharded model lives beside them:
-`accumulation.py` (`model.no_sync()`), `loading.py` (`model.load_state_dict`),
+`accumulation.py` (`model.no_sync()`), `state_dicts.py` (`model.load_state_dict`),
 `torch_clipping.py` (`torch.nn.utils.clip_grad_norm_`), `buffers.py` (DDP's
-`broadcast_buffers`), `agreement.py` (ranks that were given different things refuse
+`broadcast_buffers`), `ranks_agree.py` (ranks that were given different things refuse
 together), `lockstep.py` (ranks that drift apart during training fail together, named) and
 `at_rest.py` (stage 3 refuses a read of a resting parameter's piece).
 
@@ -39,18 +39,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.partition import make_flat_groups
 from zero_lab.stages.accumulation import (
     check_accumulation_arguments,
     check_reshard_size,
     install_no_sync,
 )
-from zero_lab.stages.agreement import check_ranks_agree
 from zero_lab.stages.buffers import BufferSync
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.hybrid import make_mesh, mesh_shape
-from zero_lab.stages.loading import route_loading
 from zero_lab.stages.lockstep import Lockstep
 from zero_lab.stages.mixed_precision import (
     COMPUTE_DTYPES,
@@ -60,6 +57,8 @@ from zero_lab.stages.mixed_precision import (
     to_compute_dtype,
 )
 from zero_lab.stages.param_gather import ParamGather
+from zero_lab.stages.partition import make_flat_groups
+from zero_lab.stages.ranks_agree import check_ranks_agree
 from zero_lab.stages.recompute import apply_recompute, check_checkpoint_activations
 from zero_lab.stages.recompute import describe as describe_recompute
 from zero_lab.stages.refusals import SHARDED_ATTR, check_arguments, check_model, check_overlap
@@ -68,6 +67,7 @@ from zero_lab.stages.sharded_optimizer import (
     make_plan,
     refuse_outside_optimizers,
 )
+from zero_lab.stages.state_dicts import route_loading
 from zero_lab.stages.torch_clipping import route_torch_clipping
 from zero_lab.stages.units import attach_post_forward_groups, make_units
 from zero_lab.stages.zero1 import Zero1, ZeroRedundancyOptimizer
@@ -89,100 +89,89 @@ def shard(
     model: nn.Module,
     stage: int,
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_optimizer,
-    bucket_mb: float = 25.0,
-    prefetch: bool | int = True,
-    precision: str = "fp32",
     *,
-    transport: str = "auto",
-    find_unused_parameters: bool = False,
-    zero1_variant: str = "reduce_scatter",
+    # layout: how the parameters are cut and where they live
+    bucket_mb: float = 25.0,
     unit_classes: Sequence[type] | None = None,
     root_params: str = "shard",
-    check_order: bool = False,
-    broadcast_buffers: bool = True,
-    check_lockstep: bool = True,
-    checkpoint_activations: bool | Sequence[type] = False,
-    keep_fp32: Sequence[type] = (),
-    reduce_dtype: torch.dtype | None = None,
-    grad_accumulation: str = "sharded",
     reshard_after_forward: bool | int = True,
     mesh=None,
+    # precision (FSDP2's MixedPrecisionPolicy)
+    precision: str = "fp32",
+    keep_fp32: Sequence[type] = (),
+    reduce_dtype: torch.dtype | None = None,
+    # overlap: the same bytes, sent earlier
+    prefetch: bool | int = True,
     overlap_param_gather: bool | None = None,
     overlap_grad_reduce: bool | None = None,
     overlap_step: bool = False,
+    # accumulation (the runtime switch is model.no_sync()) and activation memory
+    grad_accumulation: str = "sharded",
+    checkpoint_activations: bool | Sequence[type] = False,
+    # torch's contract, and the checks that keep ranks together
+    find_unused_parameters: bool = False,
+    broadcast_buffers: bool = True,
+    check_lockstep: bool = True,
+    check_order: bool = False,
+    # variants the course measures
+    transport: str = "auto",
+    zero1_variant: str = "reduce_scatter",
 ) -> tuple[nn.Module, ShardedOptimizer]:
     """Prepare `model` for data-parallel training at ZeRO `stage`; return (model, optimizer).
 
-    stage 0: plain data parallelism (bucketed all-reduce overlapped with backward);
-    1: optimizer states sharded; 2: optimizer states and gradients sharded; 3: parameters
-    too, gathered unit by unit (zero3.py). `unit_classes` (stage 3 only), e.g. (Block,),
-    makes every module of those classes a unit, like FSDP's wrapping policy; by default each
-    child module that owns parameters and is called is one. `root_params` (stage 3): the
-    parameters no unit claims (small norms and biases at the root, a tied embedding) are one
-    more unit, sharded like the others ("shard", FSDP2's fully_shard(model) on the root), or
-    kept whole on every rank with their gradients all-reduced ("replicate"), so every rank
-    sees the same full-shaped tensor.
-    `optimizer` builds a torch optimizer from a list of parameters (an element-wise one: SGD,
-    Adam, AdamW, ...); it is called once on the trainable parameters, full-shaped, and its
-    parameter groups and settings are applied to this rank's pieces of them. `bucket_mb` sizes
-    the flat groups of stages 0-2 (and so their collectives). `prefetch` (stage 3): True
-    gathers the next unit while one computes, False none ahead, an int k the next k (at
-    most k + 1 units gathered at once; zero3.py).
-    `precision`: "fp32", or mixed precision computing in "bf16" ("mixed" means the
-    same) or "fp16", with fp32 masters and optimizer states for the owned slice
-    (mixed_precision.py). `transport`: how the flat groups send reduce-scatters and
-    all-gathers: "auto" (a direct exchange on gloo, torch's collectives elsewhere; see
-    collectives/exchange.py), "torch" or "direct". `find_unused_parameters`, as in torch's
-    DDP: False (the default) refuses a backward that leaves a trainable parameter without a
-    gradient; True lets parameters go unused (no rank used them: `.grad` stays None and the
-    optimizer leaves them alone, as in one process) for one small all-reduce per backward.
-    `zero1_variant="all_reduce"` gives the seed notes' stage 1 that all-reduces gradients
-    (3Ψ per step instead of 2Ψ). `check_order=True` (stage 3, a debug aid) checks before every
-    all-gather that all ranks gather the same unit. `broadcast_buffers`, as in torch's DDP
-    (its default): before every training forward, rank 0's buffers go to every rank, when
-    some changed (buffers.py). `check_lockstep` (on by default): once a step the ranks check,
-    with one all-gather of 24 bytes a rank, that they have taken the same number of
-    optimizer steps and, at stage 3, gathered the units of the forward in the same order;
-    if not, every rank raises, naming the ranks (lockstep.py). `checkpoint_activations`:
-    True recomputes every unit's forward in backward (the units stage 3 cuts, at every
-    stage), a tuple of classes every module of those classes (recompute.py: torch's
-    checkpoint_wrapper, non-reentrant; no extra collective at any stage). In mixed precision,
-    `keep_fp32`, e.g. (nn.LayerNorm,), keeps modules of those classes in fp32, and
-    `reduce_dtype=torch.float32` reduces gradients in fp32 (FSDP2's MixedPrecisionPolicy;
-    mixed_precision.py). The model gets `model.no_sync()` (torch DDP's; FSDP2's
-    set_requires_gradient_sync(False)): backwards inside it keep their gradients on this
-    rank, the next one outside sends the sum (accumulation.py).
-    `grad_accumulation` (stages 2 and 3): what they keep under no_sync, "sharded" (every
-    backward still reduce-scatters: the gradient saving holds, k x the bytes) or "unsharded"
-    (a full gradient held until the backward that sends: one reduce-scatter per step).
-    `reshard_after_forward` (stage 3, FSDP2's name): False keeps each unit gathered from its
-    forward to its backward, and across micro-batches under no_sync (2Ψ per step instead of
-    3Ψ, full parameters resident; zero3.py); an int d (a divisor of N, 1 < d < N) keeps
-    1/d of each unit after forward, so backward's all-gather runs inside a group of d
-    consecutive ranks (one node, say) instead of all N.
-    `mesh=(R, S)` (or a 2-D torch
-    DeviceMesh, dimensions (replicate, shard), as FSDP2's `fully_shard(model, mesh=...)`
-    takes): hybrid sharding (hybrid.py), R groups of S ranks, sharded inside a group and
-    replicated across the groups; all-gathers stay inside a group, gradients are
-    reduce-scattered inside it and their slices all-reduced across; the CommLedger records
-    each collective's level.
-    Hiding the communication (Megatron-LM's names; the bytes sent are the same):
-    `overlap_param_gather` (stages 1-2; on by default there, False for the plain stage):
-    `opt.step()` only issues the all-gathers of the updated slices; each bucket is waited
-    for by the forward of the modules that own its parameters; a raw read of a parameter
-    before that (`print(model[0].weight)`, an EMA copy) waits for its own bucket, as does
-    everything else that reads parameters, so nothing reads a stale value (param_gather.py:
-    ParameterInFlight; `model.wait_for_params()` waits for all, explicitly).
-    `overlap_grad_reduce=True` (stage 1, off by default; stages 0, 2 and 3 always do it):
-    reduce-scatter each bucket during backward as soon as its gradients are in, keeping the
-    full gradient buffer. `overlap_step` (stages 1-2; at stage 1 with overlap_grad_reduce):
-    backward's end leaves the last reduce-scatters in flight and `opt.step()` updates each
-    bucket as soon as its gradient lands and issues its all-gather; whatever reads gradients
-    first waits (clip_grad_norm_, checkpoint.save; `opt.wait_for_grads()` before a read of
-    your own).
-    Needs an initialised default
-    process group; call it on every rank: the ranks first check they were all given the
-    same model and settings (one small all-gather), and refuse together if not.
+    stage 0: plain data parallelism (bucketed all-reduce overlapped with backward); 1:
+    optimizer states sharded; 2: optimizer states and gradients; 3: parameters too, gathered
+    unit by unit (zero3.py). `optimizer` builds a torch optimizer from a list of parameters
+    (an element-wise one: SGD, Adam, AdamW, ...); it is called once on the trainable
+    parameters, full-shaped, and its groups and settings are applied to this rank's pieces.
+    Needs an initialised default process group; call it on every rank: the ranks first check
+    they were all given the same model and settings (one small all-gather), and refuse
+    together if not. Every option is keyword-only, named as DDP, FSDP2 or Megatron-LM name it
+    (the guide, zero_lab/README.md, says why no policy objects):
+
+    layout
+      bucket_mb          stages 0-2: flat groups of about this many MB (their collectives)
+      unit_classes       stage 3: modules of these classes are units (FSDP's wrapping
+                         policy); default: each called child that owns parameters
+      root_params        stage 3: parameters no unit claims are one more unit, "shard"
+                         (FSDP2's fully_shard on the root) or "replicate" (whole on every rank)
+      reshard_after_forward  stage 3, FSDP2's: True frees after forward; False keeps each
+                         unit gathered to its backward (2Ψ a step, not 3Ψ); an int d
+                         (1 < d < N, divides N) keeps 1/d, so backward gathers over d ranks
+      mesh               (R, S) or a 2-D DeviceMesh (replicate, shard): hybrid sharding
+                         (hybrid.py), sharded inside a group of S, replicated across R
+    precision (mixed_precision.py)
+      precision          "fp32", or compute in "bf16" ("mixed") or "fp16" with fp32 masters
+      keep_fp32          module classes kept in fp32, e.g. (nn.LayerNorm,)
+      reduce_dtype       torch.float32: gradients reduced in fp32 and kept so for the step
+    overlap (the bytes are the same)
+      prefetch           stage 3: True gathers the next unit while one computes, False none,
+                         an int k the next k
+      overlap_param_gather  stages 1-2 (on there): the step's all-gathers are waited for by
+                         the next forward; a raw read waits for its bucket (param_gather.py)
+      overlap_grad_reduce   stage 1: reduce-scatter each bucket during backward (stages 0, 2,
+                         3 always do)
+      overlap_step       stages 1-2: each bucket stepped as its gradient lands; a reader
+                         waits (`opt.wait_for_grads()`)
+    accumulation and memory
+      grad_accumulation  stages 2-3 under model.no_sync(): "sharded" (reduce-scatter every
+                         backward) or "unsharded" (one full gradient held; one a step)
+      checkpoint_activations  True recomputes every unit in backward, or a tuple of classes
+                         (recompute.py; no extra collective)
+    torch's contract and the ranks kept together
+      find_unused_parameters  DDP's: False refuses a backward that leaves a trainable
+                         parameter without a gradient; True lets it go unused
+      broadcast_buffers  DDP's: rank 0's buffers go to every rank before a training forward
+      check_lockstep     once a step, 24 bytes a rank: same step count and unit order, else
+                         every rank raises, naming the ranks (lockstep.py)
+      check_order        stage 3 debug aid: every all-gather checked to be the same unit
+    variants the course measures
+      transport          "auto" (direct exchange on gloo, torch's collectives elsewhere),
+                         "torch" or "direct" (collectives/exchange.py)
+      zero1_variant      "all_reduce": the seed notes' stage 1 (3Ψ a step, not 2Ψ)
+
+    The model gets `model.no_sync()` (DDP's; FSDP2's set_requires_gradient_sync(False)),
+    `model.wait_for_params()`, and `model.zero_grad()` routed to the optimizer.
     """
     check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
                      unit_classes, find_unused_parameters, check_order, root_params)
@@ -352,7 +341,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
 def _check_ranks_agree(model: nn.Module, plan: torch.optim.Optimizer, **settings) -> None:
     """Refuse, on every rank at once, when the ranks were not given the same thing to shard:
     every rank describes what it was given (settings, every parameter's and buffer's name,
-    shape and dtype, the optimizer's groups) and agreement.py compares the descriptions."""
+    shape and dtype, the optimizer's groups) and ranks_agree.py compares the descriptions."""
     check_ranks_agree("shard()", {
         **settings,
         "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)

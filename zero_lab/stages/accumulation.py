@@ -20,7 +20,7 @@ to switch it back (an exception inside restores it), so `shard()`'s model offers
 The switch is read when a backward starts (as FSDP2 reads it; DDP reads it at forward): run
 each non-final micro-batch's forward and backward inside it, which suits both.
 
-What each stage can save (the bytes per optimizer step are `zero_lab.knob_formulas.
+What each stage can save (the bytes per optimizer step are `zero_lab.predict.knobs.
 accumulation_messages`; Ψ the padded flat parameters in bytes, k micro-batches):
 
 - stages 0 and 1 keep a full gradient buffer anyway (g·Ψ): the backwards under `no_sync()`

@@ -17,7 +17,7 @@ R + mean(L): accumulation stays right.
 The plain stage (`zero_lab/plain/stage0.py`, which copies each gradient into its bucket) plus
 no_sync (accumulation.py: one all-reduce per optimizer step), unused and frozen parameters
 (gradient_sync.py), mixed precision (mixed_precision.py), DDP's broadcast_buffers
-(buffers.py), and the lockstep, agreement and refusal checks (lockstep.py, agreement.py,
+(buffers.py), and the lockstep, agreement and refusal checks (lockstep.py, ranks_agree.py,
 refusals.py).
 """
 
@@ -27,9 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.partition import FlatParamGroup
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.mixed_precision import install_fresh_start, land_wide, reduces_wide
+from zero_lab.stages.partition import FlatParamGroup
 
 
 class DataParallel(GradientSync):

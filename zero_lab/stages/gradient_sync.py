@@ -51,10 +51,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.partition import FlatParamGroup
 from zero_lab.stages.accumulation import MICRO_BATCHES_DIFFER, refuse_unsynced_step
-from zero_lab.stages.in_flight_work import InFlightWork
+from zero_lab.stages.finish_in_flight import InFlightWork
 from zero_lab.stages.lockstep import Lockstep
+from zero_lab.stages.partition import FlatParamGroup
 
 
 def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], None]:
@@ -121,7 +121,7 @@ class GradientSync(InFlightWork):
         self.unsynced = False
         self.backwards_since_step = 0  # in the lockstep check's fingerprint
         self._arrived_unsynced: list[list[bool]] | None = None  # find_unused, under no_sync
-        self.init_in_flight()  # overlap (in_flight_work.py): nothing in flight yet
+        self.init_in_flight()  # overlap (finish_in_flight.py): nothing in flight yet
         # reduce_dtype=float32 (mixed_precision.land_wide): per 16-bit group, the fp32 average
         # the optimizer steps on; `.grad` shows its rounding. None: none since zero_grad.
         self.main_grads: list[torch.Tensor | None] = [None] * len(groups)

@@ -54,8 +54,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.partition import FlatParamGroup
 from zero_lab.stages.gradient_sync import clear_grads
+from zero_lab.stages.partition import FlatParamGroup
 
 # precision (shard()'s argument) -> the dtype the model computes in
 COMPUTE_DTYPES = {"mixed": torch.bfloat16, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -37,8 +37,8 @@ from __future__ import annotations
 from torch import nn
 from torch._C import _disabled_torch_function_impl
 
-from zero_lab.partition import FlatParamGroup
 from zero_lab.stages.at_rest import SHAPE_LOOKS, VALUE_ATTRIBUTES, instances_in, is_look
+from zero_lab.stages.partition import FlatParamGroup
 
 BUCKET_ATTR = "_zero_lab_in_flight"  # on a parameter of stages 1-2: (its ParamGather, bucket)
 # In flight, `.data` is a read too: it is the tensor the all-gather is still writing.

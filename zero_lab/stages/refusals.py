@@ -13,8 +13,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.memory import PRECISIONS
-from zero_lab.partition import TRANSPORTS
+from zero_lab.predict.memory import PRECISIONS
+from zero_lab.stages.partition import TRANSPORTS
 from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
 
 STAGES = (0, 1, 2, 3)
@@ -63,14 +63,14 @@ def check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_vari
 
 def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduce,
                   overlap_step) -> tuple[bool, bool]:
-    """shard()'s options that hide communication (param_gather.py, in_flight.py): where each
-    applies. Stage 0 has no all-gather and stages 0, 2 and 3 always reduce during backward;
-    stage 3 gathers before each unit's forward (its prefetch) and steps at rest. Returns
+    """shard()'s options that hide communication (param_gather.py, reductions_in_flight.py):
+    where each applies. Stage 0 has no all-gather and stages 0, 2 and 3 always reduce during
+    backward; stage 3 gathers before each unit's forward (its prefetch) and steps at rest. Returns
     (overlap_param_gather, overlap_grad_reduce) resolved, None meaning the stage's way:
     the all-gather under the next forward at stages 1-2 (never slower measured on 2 CPU
     ranks, faster with several buckets, hidden on GPUs; a raw read waits for its bucket,
-    param_gather.py); stage 1 reduces when backward
-    ends (reducing during backward measured no faster on 2 CPU cores, see bench_systems.py)."""
+    param_gather.py); stage 1 reduces when backward ends (reducing during backward measured
+    no faster on 2 CPU cores, see course/bench_systems.py)."""
     if overlap_param_gather is None:
         overlap_param_gather = stage in (1, 2)
     if overlap_grad_reduce is None:

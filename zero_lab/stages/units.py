@@ -21,10 +21,10 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.collectives.ledger import name_level
-from zero_lab.partition import FlatParamGroup, allocate_storage, free_storage
 from zero_lab.stages.at_rest import label, rest, wake
 from zero_lab.stages.hybrid import HybridMesh
 from zero_lab.stages.mixed_precision import kept_parameter_ids
+from zero_lab.stages.partition import FlatParamGroup, allocate_storage, free_storage
 
 # Modules that only hold other modules: their children are the units, not they.
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)

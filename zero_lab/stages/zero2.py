@@ -20,8 +20,9 @@ The plain stage (`zero_lab/plain/stage2.py`) plus:
 
     addition                        module              why a real implementation needs it
     the all-gather under the next   param_gather.py,    hides the gather (a raw read waits for
-      forward; a step per bucket      in_flight.py      its bucket); the update overlaps the
-      as its slice lands                                last reduce-scatters
+      forward; a step per bucket    reductions_in_flight.py
+      as its slice lands                                its bucket); the update overlaps the
+                                                        last reduce-scatters
     no_sync, `grad_accumulation`    accumulation.py     micro-batches: reduce-scatter each (the
       "sharded" or "unsharded"                          saving holds) or hold one full gradient
     mixed precision, fp32 masters   mixed_precision.py  16-bit compute, the update in fp32
@@ -39,10 +40,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.partition import FlatParamGroup
 from zero_lab.stages.gradient_sync import GradientSync, clear_grads
-from zero_lab.stages.in_flight import InFlight
 from zero_lab.stages.mixed_precision import reduces_wide
+from zero_lab.stages.partition import FlatParamGroup
+from zero_lab.stages.reductions_in_flight import InFlight
 
 
 class Zero2(GradientSync):
@@ -70,7 +71,8 @@ class Zero2(GradientSync):
         # under no_sync since the last one sent (None: nothing held).
         self._held: list[torch.Tensor | None] = [None] * len(groups)
         self._arrived: list[list[bool]] = [[False] * len(g.params) for g in groups]
-        self.reductions = InFlight(self._land)  # buckets sent, not yet landed (in_flight.py)
+        # buckets sent, not yet landed (reductions_in_flight.py)
+        self.reductions = InFlight(self._land)
 
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
         group = self.groups[g]

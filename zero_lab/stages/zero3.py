@@ -49,7 +49,7 @@ The plain stage (`zero_lab/plain/stage3.py`) plus:
     lockstep of steps and forward     lockstep.py,        a rank whose units ran in another
       order; `check_order`              zero3.py          order would pair the wrong gathers
     refusals: torch.compile, pieces   zero3.py,           a compiled graph cannot follow storage
-      in `model.state_dict()`           loading.py        freed and refilled; pieces are no
+      in `model.state_dict()`           state_dicts.py        freed and refilled; pieces are no
                                                           checkpoint (full_state_dict is)
     activation checkpointing          recompute.py        a recomputed forward finds its unit
                                                           gathered and leaves it so
@@ -97,7 +97,7 @@ class Zero3(Zero2):
         self._withheld: set[int] = set()  # kept units whose .grad pieces were not given out
         self.replicated = [unit.replicated for unit in units]
         self.depth = int(prefetch)  # units gathered ahead of the one computing: False 0, True 1
-        # Measured variant (bench_systems.py; not faster, see "Backward prefetch" above): a
+        # Measured variant (course/bench_systems.py; not faster, see "Backward prefetch" above): a
         # training forward's end starts gathering the units its backward runs first.
         self.prefetch_into_backward = False
         # Debug aid: before every all-gather, the ranks check they gather the same unit.

@@ -1,4 +1,4 @@
-"""Per-rank side of `python -m zero_lab.bench` (started by `zero_lab.bench.run`).
+"""Per-rank side of `python -m zero_lab.course.bench` (started by `zero_lab.course.bench.run`).
 
     bench_worker.py --systems ddp stage0 ... --config '{"width": 1024, ...}' [--profile]
 
@@ -9,13 +9,13 @@ Builds every system on the same initial model, then, in this order:
 3. `rounds` rounds; round k times `steps` steps of every system, in the system order rotated
    by k. A system's steps in a round run back to back after one barrier, each timed from its
    start to the next one's, the last one also waiting for what it left in flight
-   (zero_lab/step_clock.py); per step the slowest rank's time is kept, and so is each
+   (zero_lab/measure/step_timing.py); per step the slowest rank's time is kept, and so is each
    phase's (forward, backward, step, zero_grad); each rank also counts the CPU seconds the
    block cost its process (every thread: compute and gloo's copies), per step;
 4. the trained weights of every system are compared with the first system's (every system
    consumed the same batches, so they must agree);
 5. with --profile, `steps` more steps per system under torch.profiler.
-Reports (rank 0 also reports timings and profiles): see `zero_lab.bench.summarize`.
+Reports (rank 0 also reports timings and profiles): see `zero_lab.course.bench.summarize`.
 """
 
 from __future__ import annotations
@@ -29,23 +29,23 @@ import torch
 import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile, record_function
 
-from zero_lab.bench_systems import BENCH_SYSTEMS, PHASES, BenchConfig, Trainer
-from zero_lab.capacity import available_cores
 from zero_lab.collectives import CommLedger
-from zero_lab.launch import init_worker, report
-from zero_lab.measured import MemoryTimeline, held_bytes, model_state_tensors
-from zero_lab.step_clock import (
-    CpuMeter,
-    settle_in_flight,
-    time_back_to_back,
-    training_step,
-)
-from zero_lab.workloads import (
+from zero_lab.course.bench_systems import BENCH_SYSTEMS, PHASES, BenchConfig, Trainer
+from zero_lab.course.workloads import (
     count_parameters,
     deep_mlp,
     mlp_batch,
     mse_loss,
     rank_slice,
+)
+from zero_lab.launch import init_worker, report
+from zero_lab.launch.capacity import available_cores
+from zero_lab.measure.memory import MemoryTimeline, held_bytes, model_state_tensors
+from zero_lab.measure.step_timing import (
+    CpuMeter,
+    settle_in_flight,
+    time_back_to_back,
+    training_step,
 )
 
 
@@ -90,7 +90,7 @@ class Run:
     def timed_steps(self, steps: int) -> list[list[float]]:
         """Per step [total, forward, backward, optimizer.step, zero_grad] in seconds: after
         one barrier, `steps` steps back to back, the last one also waiting for what it left
-        in flight (zero_lab/step_clock.py: a barrier before each step hid the overlapped
+        in flight (zero_lab/measure/step_timing.py: a barrier before each step hid the overlapped
         stages' all-gathers)."""
         inside_before = self.lockstep.seconds if self.lockstep else 0.0
         model, opt = self.trainer.model, self.trainer.optimizer

@@ -21,9 +21,9 @@ from pathlib import Path
 import torch
 
 from zero_lab import checkpoint
+from zero_lab.course.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
-from zero_lab.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice
 
 WIDTH, DEPTH, ROWS = 10, 3, 12
 

@@ -7,7 +7,7 @@
 direct exchange the stages send on gloo (`zero_lab.collectives.exchange`), which prices
 differently: one round of messages, not a ring's N-1. Every rank reports the same list of
 timings (the slowest rank's time per call, each with its "transport"), in the format
-`zero_lab.collectives.fit_alpha_beta` and `zero_lab.interconnect.fit_op_links` read.
+`zero_lab.collectives.fit_alpha_beta` and `zero_lab.predict.links.fit_op_links` read.
 """
 
 import argparse

@@ -19,8 +19,8 @@ from zero_lab.collectives import (
     ring_all_reduce,
     ring_reduce_scatter,
 )
+from zero_lab.course.seed_blog import owner_ranks
 from zero_lab.launch import init_worker, report
-from zero_lab.seed_blog import owner_ranks
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--psi", type=int, default=12_000, help="elements in the ledger's message")

@@ -3,7 +3,7 @@
 Notebooks 03 and 04 launch it, each asking for the runs it teaches. `--runs` is JSON
 {label: options}: options are keyword arguments of `zero_lab.stages.shard` ({"stage": 1},
 {"stage": 1, "zero1_variant": "all_reduce"}, {"stage": 2, "bucket_mb": 4}), {"blog": 1} /
-{"blog": 2}, the seed blog's own ZeRO-1 / ZeRO-2 (`zero_lab.seed_blog.BlogZero`), or
+{"blog": 2}, the seed blog's own ZeRO-1 / ZeRO-2 (`zero_lab.course.seed_blog.BlogZero`), or
 {"plain": 1, "beside": "stage 1"}: the plain stage (zero_lab/plain/stage1.py; "bucket_mb"
 optional) beside an earlier run of the same launch.
 
@@ -11,7 +11,7 @@ Every rank first trains one plain model on the whole global batch: the reference
 then starts from the same initialisation and trains the ordinary loop (forward, backward,
 `opt.step()`, `opt.zero_grad()`) on this rank's share of each global batch; its last step is
 measured. Per run it reports what this rank holds after backward, its peak during that step
-(`zero_lab.measured.PeakMemory`), every collective the step issued (`CommLedger`), the median
+(`zero_lab.measure.memory.PeakMemory`), every collective the step issued (`CommLedger`), the median
 time of the other steps, and how far the trained weights end from the reference. A plain
 run (no memory measured) also reports how far it ends from the run it is beside; both report
 their last step's collectives as `CommLedger.signature()`.
@@ -35,11 +35,11 @@ import torch.distributed as dist
 from torch.profiler import ProfilerActivity, profile
 
 from zero_lab.collectives import CommLedger, exchange
+from zero_lab.course.seed_blog import BlogZero
+from zero_lab.course.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice, train
 from zero_lab.launch import init_worker, report
 from zero_lab.plain import stage0, stage1, stage2, stage3
-from zero_lab.seed_blog import BlogZero
 from zero_lab.stages import full_state_dict, shard
-from zero_lab.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice, train
 
 MiB = 2**20
 PLAIN = {0: stage0, 1: stage1, 2: stage2, 3: stage3}

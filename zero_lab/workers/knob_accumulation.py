@@ -1,6 +1,6 @@
 """Notebook 08, gradient accumulation: every stage at k = 1, 4, 8 micro-batches, one launch.
 
-Each run shards a fresh deep MLP (`zero_lab.workloads.deep_mlp`, the same initialisation
+Each run shards a fresh deep MLP (`zero_lab.course.workloads.deep_mlp`, the same initialisation
 everywhere), trains `--steps` optimizer steps of k micro-batches per rank with the loop of
 `zero_lab.stages.accumulation.accumulate` (the first k - 1 under `model.no_sync()`), then one
 more, measured: the collectives it issued (`CommLedger`, bytes per optimizer step), the model
@@ -46,11 +46,11 @@ import torch
 import torch.distributed as dist
 
 from zero_lab.collectives import CommLedger
+from zero_lab.course.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice
 from zero_lab.launch import init_worker, report
-from zero_lab.measured import PeakMemory, held_bytes
+from zero_lab.measure.memory import PeakMemory, held_bytes
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.accumulation import accumulate
-from zero_lab.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice
 
 # (label, stage, grad_accumulation, reshard_after_forward)
 RUNS = [

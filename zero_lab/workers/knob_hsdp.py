@@ -27,9 +27,9 @@ import argparse
 import torch
 
 from zero_lab.collectives import CommLedger
+from zero_lab.course.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice, train
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
-from zero_lab.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice, train
 
 SEED = 0
 

@@ -7,7 +7,7 @@ launch that also measures accumulation.)
 
 Recompute. A GPT of `--layers` blocks trains at stages 0-3 with `checkpoint_activations`
 off and on (Adam, the same global batch per step, split over the ranks). Per (stage,
-recompute): the step's peak memory (zero_lab.measured.PeakMemory, last step), the model
+recompute): the step's peak memory (zero_lab.measure.memory.PeakMemory, last step), the model
 states held, the collectives one step sends ([op, dtype, elements] each, CommLedger), the
 groups' layout (for the formula), the step times (all but the measured step) and a digest of
 the weights (recompute must not change one bit).
@@ -19,7 +19,7 @@ training (one process each), the collectives of one step, the groups' layout, an
 each LayerNorm and Linear computed with and received.
 
 Reported by rank 0 under "recompute" and "precision"; the parent side checks them with
-zero_lab.grading.nb08_knobs_recompute and prices them with zero_lab.recompute_tradeoff.
+zero_lab.grading.nb08_knobs_recompute and prices them with zero_lab.predict.recompute.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from functools import partial
 import torch
 from torch import nn
 
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
+from zero_lab.course import workloads as W
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import group_layout, mixed_precision_reference

@@ -3,11 +3,11 @@
     profile_systems.py --systems stage0 stage3 ... --config '{"width": 512, ...}'
                        --out runs/profiles [--steps 3] [--timed 6]
 
-Every system is built on the same initial model (`zero_lab.bench_systems`), then:
+Every system is built on the same initial model (`zero_lab.course.bench_systems`), then:
 1. `warmup` unrecorded steps each;
 2. `timed` rounds of one unprofiled step per system, each after a barrier and an untimed
    step of the same system (a steady step: it waits for what the step before left in
-   flight, zero_lab/step_clock.py): the step times the trace's numbers are compared with
+   flight, zero_lab/measure/step_timing.py): the step times the trace's numbers are compared with
    (rounds, so that whatever else the machine does falls on every system alike); then per
    system:
 3. `steps` steps under torch.profiler (zero_lab.profiling.capture), each after an unrecorded
@@ -44,13 +44,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zero_lab.bench_systems import NO_COMM, PROFILE_SYSTEMS, BenchConfig
 from zero_lab.collectives import CommLedger
+from zero_lab.course.bench_systems import NO_COMM, PROFILE_SYSTEMS, BenchConfig
+from zero_lab.course.workloads import count_parameters, deep_mlp, mlp_batch, mse_loss, rank_slice
 from zero_lab.launch import init_worker, report
-from zero_lab.measured import held_bytes
+from zero_lab.measure.memory import held_bytes
+from zero_lab.measure.step_timing import settle_in_flight
 from zero_lab.profiling.capture import capture
-from zero_lab.step_clock import settle_in_flight
-from zero_lab.workloads import count_parameters, deep_mlp, mlp_batch, mse_loss, rank_slice
 
 
 def _sync(device: torch.device) -> None:
@@ -106,7 +106,7 @@ class Run:
         """A step timed as training runs it (seconds): right after an untimed step of this
         system, with no barrier between, so that it inherits the communication that step
         left in flight (an overlapped stage's all-gathers) and waits for it; what it leaves
-        is finished afterwards, untimed (zero_lab/step_clock.py)."""
+        is finished afterwards, untimed (zero_lab/measure/step_timing.py)."""
         self.step()
         seconds = self.measured_step("unprofiled")
         self.settle()

@@ -31,9 +31,9 @@ from torch import nn
 
 from zero_lab import checkpoint
 from zero_lab.checkpoint import publication
+from zero_lab.course.workloads import mlp_batch, rank_slice
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
-from zero_lab.workloads import mlp_batch, rank_slice
 
 WIDTH, ROWS, BATCHES = 10, 12, 24  # 12 rows: 1, 2, 3, 4 ranks divide it
 STEPS, SAVE_AT = 8, 4

@@ -10,7 +10,7 @@ already imported. Each rank reports, per case: whether its output matched
 function issued (it must use only isend/irecv) and the bytes it sent; the check in
 `zero_lab.grading` turns them into a verdict and a hint. An exception is reported with its
 case, then re-raised so that torchrun stops every rank at once instead of leaving the others
-waiting (`zero_lab.exercises.run_exercises`).
+waiting (`zero_lab.course.exercises.run_exercises`).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 
 from zero_lab.collectives import CommLedger
-from zero_lab.exercises import learner_error, run_exercises
+from zero_lab.course.exercises import learner_error, run_exercises
 
 # (output shape, dtype): chunk sizes that are odd, prime, 1, and a 2-D output
 CASES = [((1,), torch.int64), ((5,), torch.int64), ((7,), torch.float64),

@@ -2,7 +2,7 @@
 
     torchrun(WORKERS / "unused_parameters.py", nproc=2, args=["--steps", 6])
 
-`zero_lab.workloads.SometimesMLP` has a `spare` layer no forward uses and a `sometimes`
+`zero_lab.course.workloads.SometimesMLP` has a `spare` layer no forward uses and a `sometimes`
 layer used on even steps only. Each stage trains it with AdamW (weight decay: a parameter
 that is stepped with a zero gradient still shrinks) and `find_unused_parameters=True`, and
 one process trains it on the global batch. Reported per stage: the largest weight difference
@@ -17,8 +17,8 @@ import argparse
 import torch
 import torch.nn.functional as F
 
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
+from zero_lab.course import workloads as W
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
 

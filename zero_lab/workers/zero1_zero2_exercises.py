@@ -11,7 +11,7 @@ in one launch (the tests grade a reference and wrong answers together). Each ran
 hidden cases and reports facts (values, shapes, the collectives the function issued with their
 bytes); the checks in `zero_lab.grading` turn them into a verdict and a hint. An exception is
 reported with its case, then re-raised so that torchrun stops every rank at once instead of
-leaving the others waiting in a collective (`zero_lab.exercises.run_exercises`).
+leaving the others waiting in a collective (`zero_lab.course.exercises.run_exercises`).
 """
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.collectives import CommLedger
-from zero_lab.exercises import GradBucket, learner_error, ledger_records, run_exercises
-from zero_lab.partition import bucket_parameters
+from zero_lab.course.exercises import GradBucket, learner_error, ledger_records, run_exercises
+from zero_lab.stages.partition import bucket_parameters
 
 # --------------------------------------------------------------------------- owned range
 

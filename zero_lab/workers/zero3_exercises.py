@@ -7,13 +7,13 @@ Started by `zero_lab.grading.check_materialize_release` and `check_post_backward
 
 EXERCISE is "materialize_release" (two functions: materialize, release) or "post_backward".
 SOURCE_FILE holds the learner's functions; they run with `torch`, `dist`, `nn`, `math`,
-`free_storage` and `allocate_storage` (zero_lab.partition) already imported. Each rank runs
+`free_storage` and `allocate_storage` (zero_lab.stages.partition) already imported. Each rank runs
 the hidden cases on units of odd sizes and reports facts (shapes, values, storages, the
 collectives issued and their bytes); the checks in `zero_lab.grading` turn them into a
 verdict and a hint. An exception is reported with its case, then re-raised so that
 torchrun stops every rank at once instead of leaving the others waiting in a collective
-(`zero_lab.exercises.run_exercises`). The learner's functions receive a
-`zero_lab.exercises.BareUnit` (materialize, release) or a `zero_lab.stages.units.Unit`.
+(`zero_lab.course.exercises.run_exercises`). The learner's functions receive a
+`zero_lab.course.exercises.BareUnit` (materialize, release) or a `zero_lab.stages.units.Unit`.
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.collectives import CommLedger
-from zero_lab.exercises import BareUnit, learner_error, ledger_records, run_exercises
-from zero_lab.partition import FlatParamGroup, allocate_storage, free_storage
+from zero_lab.course.exercises import BareUnit, learner_error, ledger_records, run_exercises
+from zero_lab.stages.partition import FlatParamGroup, allocate_storage, free_storage
 from zero_lab.stages.units import Unit
 
 

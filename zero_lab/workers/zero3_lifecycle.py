@@ -1,6 +1,6 @@
 """Stage 3's gather -> compute -> release lifecycle, measured on every rank.
 
-Notebook 05 runs it. The measuring itself is `zero_lab.step_timeline`.
+Notebook 05 runs it. The measuring itself is `zero_lab.measure.memory_timeline`.
 
     torchrun --nproc-per-node 2 -m zero_lab.workers.zero3_lifecycle --width 256 --depth 6
 
@@ -13,7 +13,7 @@ under "stage3_prefetch_off", "stage3_prefetch_on", "stage2", "stage0":
               at their current size; CUDA: the allocator); `marks` labels samples, for
               stage 3 where a unit is gathered, released, or its gradient reduce-scattered
   ledger      the step's collectives: count, bytes and ZeRO-paper volume per op
-  held        model-state bytes after backward (`zero_lab.measured.held_bytes`)
+  held        model-state bytes after backward (`zero_lab.measure.memory.held_bytes`)
   units       (stage 3) name, elements, padded, slice of every unit
   leftover    (stage 3, prefetch on) bytes alive after the step beyond the model states: 0
               when no full parameter, gradient or activation outlived the step
@@ -30,11 +30,11 @@ import argparse
 
 import torch
 
-from zero_lab import workloads as W
 from zero_lab.collectives import CommLedger
+from zero_lab.course import workloads as W
+from zero_lab.measure.memory_timeline import activation_bytes, measure_step
 from zero_lab.plain import stage3 as plain_stage3
 from zero_lab.stages import full_state_dict, shard
-from zero_lab.step_timeline import activation_bytes, measure_step
 
 
 def plain_beside_real(mlp, batches: list, device: torch.device) -> dict:

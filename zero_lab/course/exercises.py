@@ -1,0 +1,135 @@
+"""What both sides of a graded exercise share: the objects a learner's function receives, and
+the rank-side runner that loads and runs it.
+
+A graded exercise runs the learner's function inside a real process group. The parent side
+(`zero_lab.grading`) writes the function's source to a file and starts one of the scripts in
+`zero_lab/workers/` on N ranks; each rank loads the source with `load_learner_code` and runs
+the hidden cases through `run_exercises`, reporting facts (values, the collectives issued,
+`learner_error` records). The verdict and the hint are decided back on the parent side.
+
+- The notebooks build `GradBucket` (notebook 04) and `BareUnit` (notebook 05) to try their
+  functions; the grader builds them to probe for a stub; the rank scripts grade with them.
+- `load_learner_code`, `learner_error`, `ledger_records` and `run_exercises` run on the ranks.
+
+This module imports only shared modules, never the grader, the bench, the plots or a script.
+"""
+
+from __future__ import annotations
+
+import math
+import traceback
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from zero_lab.stages.partition import FlatParamGroup
+
+if TYPE_CHECKING:
+    from zero_lab.collectives import CommLedger
+    from zero_lab.stages.units import Unit
+
+# The file name the learner's code is compiled under: tracebacks show it for their frames.
+LEARNER_FILE = "<your function>"
+
+
+# --------------------------------------------------------------- what the learner receives
+
+
+class GradBucket:
+    """Parameters whose gradients travel together: one flat buffer, one reduce-scatter.
+
+    `group` is the bucket's flat layout (`FlatParamGroup`: `params`, `views(flat)`,
+    `new_full()`, `new_shard()`). While the bucket fills during backward, `full` is its flat
+    gradient buffer (None otherwise) and `arrived` counts the gradients copied into it.
+    `owned_grad` (S elements) accumulates this rank's slice of the averaged gradient.
+    """
+
+    def __init__(self, params: list[nn.Parameter], world_size: int, rank: int) -> None:
+        self.group = FlatParamGroup(params, world_size, rank)
+        self.full: torch.Tensor | None = None
+        self.arrived = 0
+        self.owned_grad = self.group.new_shard()
+        self._position = {id(p): i for i, p in enumerate(params)}
+
+    def index(self, param: torch.Tensor) -> int:
+        """Position of `param` in the bucket (which view of `full` is its gradient)."""
+        return self._position[id(param)]
+
+
+class BareUnit:
+    """What `materialize(unit)` and `release(unit)` receive: one unit's buffers, no methods.
+
+    params       the unit's nn.Parameters (at rest each one's .data is its local piece)
+    group        their FlatParamGroup (layout: numel, padded_numel, shard_numel, ...)
+    local        this rank's slice of the flat parameters (S elements, memory of its own)
+    full         the full flat buffer (N·S elements); its storage is freed at rest
+    full_views   parameter-shaped views of `full`, one per parameter
+    local_views  each parameter's 1-D piece of `local` (possibly empty)
+    """
+
+    def __init__(self, unit: Unit) -> None:
+        self.params, self.group = unit.params, unit.group
+        self.local, self.full = unit.local, unit.full
+        self.full_views, self.local_views = unit.full_views, unit.local_views
+
+
+# --------------------------------------------------------------- the rank-side runner
+
+
+def load_learner_code(source_file: str, extra: dict | None = None) -> dict:
+    """The namespace of the learner's functions, run with torch, dist, nn, math and `extra`.
+
+    The learner wrote them in a notebook where those names were imported; each rank runs
+    them on their own, so exactly these names are provided.
+    """
+    namespace = {"torch": torch, "dist": dist, "nn": nn, "math": math, "__name__": "learner",
+                 **(extra or {})}
+    with open(source_file, encoding="utf-8") as f:
+        exec(compile(f.read(), LEARNER_FILE, "exec"), namespace)
+    return namespace
+
+
+def learner_error(exc: BaseException, during: str = "") -> dict:
+    """The record of an exception the learner's function raised, for the grader to show.
+
+    {"type", "message", "where": the last traceback lines, from the learner's own frame on}
+    and, if given, "during": which step of the case was running.
+    """
+    lines = "".join(traceback.format_exception(exc)).splitlines()
+    start = next((i for i, ln in enumerate(lines) if LEARNER_FILE in ln), len(lines) - 1)
+    record = {"type": type(exc).__name__, "message": str(exc),
+              "where": "\n".join(lines[start:][-6:])}
+    if during:
+        record["during"] = during
+    return record
+
+
+def ledger_records(ledger: CommLedger) -> list[dict]:
+    """The collectives a CommLedger saw, as JSON-ready dicts: op, bytes, during backward."""
+    return [{"op": r.op, "nbytes": r.nbytes, "in_backward": r.in_backward}
+            for r in ledger.records]
+
+
+def run_exercises(argv: list[str], runners: dict, extra: dict | None = None) -> None:
+    """SOURCE_FILE EXERCISE:FUNCTION[,FUNCTION] [...]: run each in turn on every rank.
+
+    The learner's functions are loaded from SOURCE_FILE (with torch, dist, nn, math and
+    `extra` in scope) and `runners[EXERCISE](*functions, out)` fills a record reported under
+    the key as {"world_size", ...}. It is reported even when a function raises, with the
+    error in the record of the case that raised; the exception then propagates, so that
+    torchrun stops every rank at once instead of leaving the others waiting in a collective.
+    """
+    from zero_lab.launch import init_worker, report
+
+    source_file, *runs = argv
+    namespace = load_learner_code(source_file, extra)
+    info = init_worker()
+    for key in runs:
+        exercise, names = key.split(":")
+        out: dict = {"world_size": info.world_size}
+        try:
+            runners[exercise](*(namespace[name] for name in names.split(",")), out)
+        finally:
+            report({key: out})

@@ -1,0 +1,281 @@
+"""Execute the course's notebooks in order with papermill (`make run`, `make figures`).
+
+    python -m zero_lab.course run [--nproc 2] [--backend auto] [--device auto] [--only 03]
+    python -m zero_lab.course figures      # run, then copy the saved figures into figures/
+
+Each run executes into a folder of its own, runs/course/<time>-<pid>-<suffix>/ (two runs in
+one course folder never overwrite each other): executed notebooks in executed/, figures in
+figures/, and the folders notebooks make for their files (`paths.new_run_dir`) inside it. The
+run ends with its total time and that folder.
+
+What would fail is refused before any kernel starts: parameters of the wrong type, more
+ranks than the machine's cores or memory hold (`capacity.check_nproc`), a device it lacks.
+An executed notebook is written under a temporary name beside its own and renamed when
+papermill is done with it, so a full disk leaves no half-written notebook; a write that fails
+(disk full, read-only, permission) is one line naming the path, the cause and what to do. On
+a failing cell it names the notebook and the cell, prints the error, and exits non-zero; the
+executed copy up to the failure is kept for inspection. A kernel that dies (most often the
+out-of-memory killer) is named with its notebook and nproc.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import errno
+import json
+import os
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+
+from zero_lab.launch.paths import FIGURES, NOTEBOOKS, new_run_dir
+
+
+def course_notebooks(only: str | None = None) -> list[Path]:
+    """The numbered notebooks, in course order (optionally those whose name starts with `only`)."""
+    found = sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb"))
+    if only is not None:
+        found = [p for p in found if p.name.startswith(only)]
+        if not found:
+            raise SystemExit(f"--only {only!r} matches no notebook in {NOTEBOOKS}")
+    return found
+
+
+def kernel_config():
+    """The kernels' settings: their channels encrypted, where this installation can.
+
+    ipykernel (7.4) warns at every start that a kernel on TCP without encryption sends code
+    and outputs in plain text. jupyter_client (8.10) can give the kernel CurveZMQ keys:
+    `transport_encryption = "auto"` does so for kernels whose spec declares support (as
+    ipykernel's does). It needs a pyzmq built with CURVE, as pyzmq's wheels are; without one
+    the kernel stays unencrypted and says so.
+    """
+    import zmq
+    from jupyter_client import KernelManager
+    from traitlets.config import Config
+
+    config = Config()
+    if zmq.has("curve") and "transport_encryption" in KernelManager.class_traits():
+        config.KernelManager.transport_encryption = "auto"
+    return config
+
+
+def summary(count: int, seconds: float, run_dir: Path) -> str:
+    """The last lines of a run: its total time and where its results are."""
+    minutes, rest = divmod(round(seconds), 60)
+    took = f"{minutes} min {rest} s" if minutes else f"{seconds:.1f} s"
+    return (f"{count} notebook{'s' if count != 1 else ''} executed in {took}\n"
+            f"run folder: {run_dir}\n"
+            f"executed notebooks: {run_dir / 'executed'}\n"
+            f"figures: {run_dir / 'figures'} (`make figures` copies them into {FIGURES.name}/)")
+
+
+WHAT_TO_DO = {
+    errno.ENOSPC: ("no space left on the device", "free space (`make clean` removes runs/, "
+                   "old runs/course/ folders can go) or set ZERO_LAB_RUNS_DIR to a folder on "
+                   "another disk, then run again"),
+    errno.EROFS: ("the file system is read-only", "set ZERO_LAB_RUNS_DIR to a writable "
+                  "folder, then run again"),
+    errno.EACCES: ("permission denied", "make the folder writable for you or set "
+                   "ZERO_LAB_RUNS_DIR to a folder you own, then run again"),
+}
+WHAT_TO_DO[errno.EDQUOT] = ("disk quota exceeded", WHAT_TO_DO[errno.ENOSPC][1])
+WHAT_TO_DO[errno.EPERM] = ("operation not permitted", WHAT_TO_DO[errno.EACCES][1])
+
+
+def write_failed(err: OSError, path: Path) -> SystemExit:
+    """A write that failed, as one line: the path, the cause and what to do (exit status 1).
+    Other OSErrors than a full disk, a read-only file system or a refused permission are
+    not this function's: they are raised again by the caller."""
+    cause, todo = WHAT_TO_DO[err.errno]
+    print(f"\nmake run: cannot write {path}: {cause} ({errno.errorcode[err.errno]}); {todo}.",
+          file=sys.stderr)
+    return SystemExit(1)
+
+
+def preflight(parameters: dict) -> None:
+    """Refuse, before any kernel starts, what every notebook would refuse or die of: a
+    parameter of the wrong type, more ranks than the cores or the memory hold (each rank at
+    least `capacity.RANK_BASE_BYTES`; the notebooks check their own larger needs), a device
+    this machine lacks. Exit status 2, one line; too many ranks for the cores but allowed is
+    said in one line too."""
+    from zero_lab.course.parameters import check_parameters
+
+    nproc, backend, device = (parameters.get(k, d) for k, d in
+                              (("nproc", 2), ("backend", "auto"), ("device", "auto")))
+    with warnings.catch_warnings(record=True) as said:
+        warnings.simplefilter("always")
+        try:
+            check_parameters(nproc, backend, device)
+        except (TypeError, ValueError) as err:
+            print(f"make run: refused before starting any notebook: {err}", file=sys.stderr)
+            raise SystemExit(2) from None
+    for warning in said:
+        print(f"make run: {warning.message}", file=sys.stderr)
+
+
+@contextlib.contextmanager
+def environment(**values: str):
+    """os.environ with `values` set (the kernels papermill starts inherit it), put back after."""
+    before = {key: os.environ.get(key) for key in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+
+
+# The widest printed line a notebook may show: it fits a laptop's JupyterLab beside the file
+# browser without wrapping. nbval holds every notebook to it (conftest.py at the repository
+# root), the browser test notebooks 00 and 01, and `make run` names the lines over it.
+PRINT_WIDTH = 110
+RICH = ("text/html", "image/png", "image/svg+xml", "application/vnd.jupyter.widget-view+json")
+
+
+def wide_lines(outputs: list[dict], width: int = PRINT_WIDTH) -> list[str]:
+    """The lines of a cell's `outputs` (nbformat output dicts) wider than `width`: its stdout
+    joined across messages, and the plain text of results and displays that show as text
+    (not a figure's or a widget's fallback text). A carriage return redraws its line: only
+    what follows the last one is shown."""
+    texts, stdout = [], []
+    for out in outputs:
+        if out.get("output_type") == "stream" and out.get("name") == "stdout":
+            stdout.append(out.get("text", ""))
+        elif out.get("output_type") in ("execute_result", "display_data"):
+            data = out.get("data", {})
+            if "text/plain" in data and not any(kind in data for kind in RICH):
+                plain = data["text/plain"]
+                texts.append(plain if isinstance(plain, str) else "".join(plain))
+    texts.append("".join("".join(t) if isinstance(t, list) else t for t in stdout))
+    shown = (line.rsplit("\r", 1)[-1] for text in texts for line in text.split("\n"))
+    return [line for line in shown if len(line) > width]
+
+
+def execute(nb: Path, out: Path, parameters: dict, config) -> None:
+    """Execute `nb` into `out` through a temporary name beside it: `out` appears whole (also
+    after a failing cell or a dead kernel, whose copies papermill saved whole), or not at all
+    (a write that failed: the half-written temporary file is removed)."""
+    import papermill
+
+    partial = out.with_name(f".{out.stem}.partial.ipynb")  # papermill wants *.ipynb
+    try:
+        try:
+            papermill.execute_notebook(
+                str(nb), str(partial), parameters=parameters, cwd=str(NOTEBOOKS),
+                kernel_name="python3", progress_bar=False, log_output=False, config=config,
+            )
+        except BaseException as failure:
+            if partial.exists() and not isinstance(failure, OSError):
+                os.replace(partial, out)  # saved whole by papermill before it raised: kept
+            raise
+        os.replace(partial, out)
+    except OSError as err:
+        with contextlib.suppress(OSError):
+            partial.unlink()
+        if err.filename in (None, str(partial)):  # name the file it was writing, not its
+            raise OSError(err.errno, err.strerror, str(out)) from err  # temporary name
+        raise
+
+
+def run(parameters: dict, only: str | None = None) -> Path:
+    """Execute every notebook with `parameters` into a new run folder; return that folder."""
+    from nbclient.exceptions import DeadKernelError
+    from papermill import PapermillExecutionError
+    from tqdm import tqdm
+
+    notebooks = course_notebooks(only)
+    preflight(parameters)
+    try:
+        run_dir = new_run_dir("course")
+        (run_dir / "executed").mkdir()
+        (run_dir / "figures").mkdir()
+    except OSError as err:
+        if err.errno not in WHAT_TO_DO:
+            raise
+        raise write_failed(err, Path(err.filename or "runs/course")) from None  # the folder
+    executed = run_dir / "executed"
+    config = kernel_config()
+    count = 0
+    started = time.perf_counter()
+    bar = tqdm(notebooks, desc="course", unit="notebook")
+    with environment(ZERO_LAB_FIGURES_DIR=str(run_dir / "figures"),
+                     ZERO_LAB_RUNS_DIR=str(run_dir)):
+        for nb in bar:
+            bar.set_postfix_str(nb.name)
+            out = executed / nb.name
+            start = time.perf_counter()
+            try:
+                execute(nb, out, parameters, config)
+            except PapermillExecutionError as err:
+                bar.close()
+                first_line = (err.source or "").strip().splitlines()[:1]
+                print(
+                    f"\nFAILED: {nb.name}, cell {err.cell_index} (execution count "
+                    f"{err.exec_count}), starting {first_line[0] if first_line else ''!r}"
+                    f"\n{err.ename}: {err.evalue}\nThe executed copy up to the failure is {out}",
+                    file=sys.stderr,
+                )
+                raise SystemExit(1) from None
+            except DeadKernelError:
+                bar.close()
+                kept = f"; the executed copy up to then is {out}" if out.exists() else ""
+                print(
+                    f"\nFAILED: {nb.name}: its kernel died with nproc={parameters.get('nproc')}"
+                    f", most likely killed for running out of memory (the out-of-memory "
+                    f"killer ends the largest process). Run it again with fewer ranks (make run "
+                    f"NPROC=2 ONLY={nb.name[:2]}) or with less else running{kept}.",
+                    file=sys.stderr,
+                )
+                raise SystemExit(1) from None
+            except OSError as err:
+                bar.close()
+                if err.errno not in WHAT_TO_DO:
+                    raise
+                raise write_failed(err, Path(err.filename)) from None
+            tqdm.write(f"{nb.name}: {time.perf_counter() - start:.1f} s -> {out}")
+            wide = [line for cell in json.loads(out.read_text(encoding="utf-8"))["cells"]
+                    for line in wide_lines(cell.get("outputs", []))]
+            if wide:  # the course's own rule; nbval fails on it, a run only says it
+                tqdm.write(f"  {len(wide)} printed lines over {PRINT_WIDTH} characters, the "
+                           f"first: {wide[0][:PRINT_WIDTH]}...")
+            count += 1
+    bar.close()
+    print(summary(count, time.perf_counter() - started, run_dir))
+    return run_dir
+
+
+def copy_figures(source: Path) -> list[Path]:
+    """Copy the PNGs a run saved (its figures/ folder) into the committed figures/."""
+    FIGURES.mkdir(exist_ok=True)
+    copied = []
+    for png in sorted(Path(source).glob("*.png")):
+        shutil.copy2(png, FIGURES / png.name)
+        copied.append(FIGURES / png.name)
+    print(f"copied {len(copied)} figures from {source} into {FIGURES}")
+    return copied
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(prog="python -m zero_lab.course", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("command", choices=["run", "figures"])
+    parser.add_argument("--nproc", type=int, default=2, help="ranks per multi-rank cell")
+    parser.add_argument("--backend", default="auto", choices=["auto", "gloo", "nccl"])
+    parser.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    parser.add_argument("--only", default=None, help="run only notebooks starting with this")
+    opts = parser.parse_args(argv)
+    params = {"nproc": opts.nproc, "backend": opts.backend, "device": opts.device}
+    run_dir = run(params, opts.only)
+    if opts.command == "figures":
+        copy_figures(run_dir / "figures")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Where things live in the repository: one place for every path the course writes or reads.
+
+Both sides of a launch may import it (it imports nothing but pathlib and os; its package,
+zero_lab.launch, only the standard library).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1]  # zero_lab/ (this file: zero_lab/launch/paths.py)
+REPO_ROOT = PACKAGE.parent
+WORKERS = PACKAGE / "workers"  # the rank-side scripts torchrun starts
+NOTEBOOKS = REPO_ROOT / "notebooks"
+FIGURES = REPO_ROOT / "figures"  # committed; `make figures` copies RUN_FIGURES here
+RUNS = REPO_ROOT / "runs"  # everything a run writes (git-ignored)
+RUN_FIGURES = RUNS / "figures"
+EXECUTED = RUNS / "executed"  # notebooks executed by `make run`
+STUDENT = REPO_ROOT / "build" / "student"  # `make student`
+
+
+def figures_dir() -> Path:
+    """Where notebooks write figures: $ZERO_LAB_FIGURES_DIR, else runs/figures (created)."""
+    path = Path(os.environ.get("ZERO_LAB_FIGURES_DIR", RUN_FIGURES))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def new_run_dir(kind: str, root: Path | None = None) -> Path:
+    """A new folder of this run's own under runs/<kind>/ (created; never one another run has).
+
+    Two kernels, `make test` beside `make lab`, or two learners in one course folder each get
+    their own: named by the time, this process's pid and a random suffix, and made with
+    `mkdir(exist_ok=False)`, so a name already taken is never shared. `root` defaults to
+    $ZERO_LAB_RUNS_DIR, else runs/.
+    """
+    import secrets
+    import time
+
+    if not kind or "/" in kind or kind.startswith("."):
+        raise ValueError(f"kind must be a plain folder name, got {kind!r}")
+    base = Path(root or os.environ.get("ZERO_LAB_RUNS_DIR", RUNS)) / kind
+    base.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    while True:
+        path = base / f"{stamp}-{os.getpid()}-{secrets.token_hex(2)}"
+        try:
+            path.mkdir()
+        except FileExistsError:
+            continue
+        return path

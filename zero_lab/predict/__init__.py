@@ -1,0 +1,11 @@
+"""PREDICTED: what training needs and costs, from formulas (nothing here measures).
+
+    memory.py      where training memory goes: the calculators (no torch)
+    projection.py  step time and stage choice on machines we do not have
+    step_time.py   one training step projected: its collectives priced, compute beside them
+    links.py       what one collective costs on links we do not have (alpha-beta per link)
+    knobs.py       the bytes notebook 08's knobs must send, from their construction
+    recompute.py   when the memory stage 3 frees pays for turning recompute off
+
+Their measured counterparts are in `zero_lab.measure`.
+"""
