@@ -25,6 +25,7 @@ class Flat:
         self.params = params
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
         self.numels = [p.numel() for p in params]
+        self.offsets = [sum(self.numels[:i]) for i in range(len(params))]  # where each starts
         self.shard_numel = -(-sum(self.numels) // self.world)  # S = ceil(numel / N)
         self.data = self.new_full()  # N·S elements: the padding at the end stays zero
         with torch.no_grad():
@@ -37,10 +38,11 @@ class Flat:
         p = self.params[0]
         return torch.zeros(self.shard_numel * self.world, dtype=p.dtype, device=p.device)
 
-    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:  # parameter-shaped views
-        offsets = [sum(self.numels[:i]) for i in range(len(self.params))]
-        return [flat[o:o + n].view(p.shape)
-                for o, n, p in zip(offsets, self.numels, self.params, strict=True)]
+    def view(self, flat: torch.Tensor, i: int) -> torch.Tensor:  # parameter i's shape
+        return flat[self.offsets[i]:self.offsets[i] + self.numels[i]].view(self.params[i].shape)
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:  # every parameter's
+        return [self.view(flat, i) for i in range(len(self.params))]
 
     def shard(self, flat: torch.Tensor) -> torch.Tensor:  # this rank's slice, a view
         return flat[self.rank * self.shard_numel:(self.rank + 1) * self.shard_numel]

@@ -54,7 +54,7 @@ class ShardedGradients:
         flat = self.flats[b]
         if self.full_grads[b] is None:
             self.full_grads[b] = flat.new_full()
-        flat.views(self.full_grads[b])[i].copy_(p.grad)
+        flat.view(self.full_grads[b], i).copy_(p.grad)
         p.grad = None  # this parameter's full gradient is freed now
         self.arrived[b] += 1
         if self.arrived[b] == len(flat.params):  # the bucket is full: send it

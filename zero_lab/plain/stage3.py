@@ -102,7 +102,7 @@ class FullySharded:
     def on_grad(self, unit: Unit, i: int, p: nn.Parameter) -> None:
         if unit.full_grad is None:
             unit.full_grad = unit.flat.new_full()
-        unit.flat.views(unit.full_grad)[i].copy_(p.grad)
+        unit.flat.view(unit.full_grad, i).copy_(p.grad)
         p.grad = None  # the full gradient is freed now
         unit.arrived += 1
         if unit.arrived == len(unit.flat.params):  # the unit's backward is over

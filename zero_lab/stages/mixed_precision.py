@@ -199,6 +199,14 @@ def reduces_wide(sync, g: int) -> bool:
     return isinstance(group, ReducedInFp32) and group.dtype != torch.float32
 
 
+def step_grad(sync, g: int) -> torch.Tensor | None:
+    """The gradient the step (and clipping) uses for group g of a stage: the fp32 average when
+    reduced in fp32 (`sync.main_grads[g]`), else the slice's `.grad`; None without one."""
+    grad = sync.step_params[g].grad
+    main = sync.main_grads[g]
+    return None if grad is None else main if main is not None else grad
+
+
 def land_wide(sync, g: int, wide: torch.Tensor, rounded: torch.Tensor) -> None:
     """Stages 0-1: group g's gradient reduced in fp32 (`wide`) becomes the master's gradient
     (`sync.main_grads[g]`), or is added to it when an earlier backward of this step left one

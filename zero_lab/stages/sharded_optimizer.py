@@ -43,6 +43,7 @@ from torch.optim.optimizer import register_optimizer_step_pre_hook
 
 from zero_lab.profiling.marks import OPTIMIZER_STEP, ZERO_GRAD, mark
 from zero_lab.stages.gradient_sync import GradientSync
+from zero_lab.stages.mixed_precision import step_grad
 
 # Optimizers whose update of an element depends only on that element's history.
 ELEMENTWISE_OPTIMIZERS = (
@@ -237,9 +238,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
             # The master's gradient: the fp32 average when reduced in fp32 (reduce_dtype), else
             # the 16-bit gradient slice widened (a transient copy).
             for g in groups:
-                p, main = self.sync.step_params[g], self.sync.main_grads[g]
-                self.master_weights[g].grad = (None if p.grad is None else
-                                               main if main is not None else p.grad.float())
+                grad = step_grad(self.sync, g)
+                self.master_weights[g].grad = None if grad is None else grad.float()
         has_grad = self.sync.has_grad
         for pc, view in zip(self.pieces, self.views, strict=True):
             grad = self.targets[pc.group].grad if pc.group in groups else None
@@ -280,9 +280,8 @@ class ShardedOptimizer(torch.optim.Optimizer):
         inf = math.isinf(norm_type)
         grads, sliced, whole, rounded = [], [], [], []
         for g, p in enumerate(self.sync.step_params):
-            if p.grad is not None:
-                # reduced in fp32: the norm of the fp32 average the step uses
-                grad = self.sync.main_grads[g] if self.sync.main_grads[g] is not None else p.grad
+            grad = step_grad(self.sync, g)  # reduced in fp32: the fp32 average the step uses
+            if grad is not None:
                 if grad is not p.grad:
                     rounded.append((p.grad, grad))
                 grads.append(grad)

@@ -4,7 +4,8 @@ A *unit* is a module whose trainable parameters stage 3 gathers and releases tog
 FSDP wraps modules. `plan_units` decides which parameters each unit holds (a tied or shared
 weight goes to the unit that encloses all its users); `Unit` keeps one unit's flat layout,
 this rank's slice of it, and the full buffer that exists only while the unit computes, with
-the three moves of its lifecycle: start the all-gather, finish it, release; `make_units` does
+the three moves of its lifecycle (`ShardedPart`, which its frozen parameters share): start
+the all-gather, finish it, release; `make_units` does
 all of it for a model (cut, broadcast rank 0's values, keep this rank's slice). zero3.py drives
 them from module and autograd hooks. Between its calls a unit's parameters rest as their
 1-D pieces, guarded against reads that would take a piece for the parameter (at_rest.py).
@@ -131,67 +132,20 @@ def _common_prefix(chains: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(common)
 
 
-class FrozenPart:
-    """A unit's frozen parameters, sharded as its trainable ones (FSDP2's too): `local` kept,
-    `full` gathered and freed with the unit. No gradient, reduce-scatter or optimizer state."""
-
-    def __init__(self, unit_name: str, group: FlatParamGroup, local: torch.Tensor) -> None:
-        self.group, self.local = group, local
-        self.full = group.new_full(local.dtype)
-        self.full_views = group.views(self.full)
-        free_storage(self.full)
-        mine = {pc.index: pc for pc in group.shard_pieces()}  # each parameter's piece, if any
-        self.local_views = [local[pc.shard_start:pc.shard_start + pc.numel] if pc else local[:0]
-                            for pc in map(mine.get, range(len(group.params)))]
-        self.work = None
-        self.post_group: FlatParamGroup | None = None  # as Unit's (reshard_after_forward=d)
-        self.post: torch.Tensor | None = None
-        for p, piece, name, shape in zip(group.params, self.local_views, group.names,
-                                         group.shapes, strict=True):
-            p.data = piece
-            label(p, name, unit_name, shape, local)
-            rest(p)
-
-    def start_gather(self) -> None:
-        allocate_storage(self.full)
-        over, source = (self.group, self.local) if self.post is None else (self.post_group,
-                                                                           self.post)
-        self.work = over.all_gather(self.full, source, async_op=True)
-
-    def finish_gather(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-        self.work = None
-        self.post = None
-        for p, view in zip(self.group.params, self.full_views, strict=True):
-            wake(p)
-            p.data = view
-
-    def release(self) -> None:
-        if self.work is not None:
-            self.work.wait()
-            self.work = None
-        for p, piece in zip(self.group.params, self.local_views, strict=True):
-            p.data = piece
-            rest(p)
-        free_storage(self.full)
-
-
-class Unit:
-    """One unit: its flat layout, this rank's slice, and a full buffer that exists only
-    while the unit computes.
+class ShardedPart:
+    """A flat group of parameters sharded over the ranks, with the three moves of its
+    lifecycle: start the all-gather, finish it, release.
 
     `local` (S elements) holds this rank's part of the parameters, in memory of its own.
     `full` (N·S elements) is allocated, all-gathered into, and freed in place again;
     `full_views` are the parameter-shaped views of it the module computes with, and
     `local_views` each parameter's piece of `local` (1-D, possibly empty): the parameters
-    at rest.
+    at rest. A unit's trainable parameters are one (`Unit`), its frozen ones another
+    (`FrozenPart`).
     """
 
-    def __init__(self, name: str, module: nn.Module, group: FlatParamGroup,
-                 local: torch.Tensor, replicated: bool = False) -> None:
-        self.name = name
-        self.module = module
+    def __init__(self, unit_name: str, group: FlatParamGroup, local: torch.Tensor,
+                 replicated: bool = False) -> None:
         self.group = group
         self.params = group.params
         self.local = local
@@ -213,8 +167,6 @@ class Unit:
         self.spans = spans
         self.local_views = self.pieces(local)
         self.work: dist.Work | None = None  # an all-gather in flight (prefetch)
-        self.gathered = False
-        self.frozen: FrozenPart | None = None  # its frozen parameters (make_units)
         # reshard_after_forward=d (attach_post_forward_groups): the layout over d ranks, and
         # from forward to backward this rank's 1/d of `full`, which backward gathers from.
         self.post_group: FlatParamGroup | None = None
@@ -222,7 +174,7 @@ class Unit:
         for p, piece, name, shape in zip(self.params, self.local_views, group.names,
                                          group.shapes, strict=True):
             p.data = piece
-            label(p, name, self.name, shape, local)
+            label(p, name, unit_name, shape, local)
             if not replicated:  # a replicated unit's parameters are whole: never a piece
                 rest(p)
 
@@ -241,8 +193,6 @@ class Unit:
         over, source = (self.group, self.local) if self.post is None else (self.post_group,
                                                                            self.post)
         self.work = over.all_gather(self.full, source, async_op=True)  # (post: over d ranks)
-        if self.frozen is not None:
-            self.frozen.start_gather()
 
     def finish_gather(self) -> None:
         """Wait for the all-gather; the parameters become views of the full buffer."""
@@ -253,22 +203,10 @@ class Unit:
         for p, view in zip(self.params, self.full_views, strict=True):
             wake(p)  # first: re-pointing a guarded parameter would pay the guard's call
             p.data = view
-        if self.frozen is not None:
-            self.frozen.finish_gather()
-        self.gathered = True
 
-    def reshard_after_forward(self) -> None:
-        """reshard_after_forward=d: keep this rank's 1/d of the gathered buffers, release."""
+    def keep_post(self) -> None:
+        """reshard_after_forward=d: keep this rank's 1/d of `full` for backward's gather."""
         self.post = self.post_group.shard(self.full).clone()
-        if self.frozen is not None:
-            self.frozen.post = self.frozen.post_group.shard(self.frozen.full).clone()
-        self.release()
-
-    def drop_post(self) -> None:
-        """A forward whose backward never came (or the step): its 1/d copy is stale."""
-        self.post = None
-        if self.frozen is not None:
-            self.frozen.post = None
 
     def release(self) -> None:
         """The parameters become local pieces again and the full buffer's memory is freed.
@@ -279,13 +217,58 @@ class Unit:
         if self.work is not None:  # a prefetched all-gather nobody used
             self.work.wait()
             self.work = None
-        self.gathered = False
         if self.replicated:
             return
         for p, piece in zip(self.params, self.local_views, strict=True):
             p.data = piece
             rest(p)
         free_storage(self.full)
+
+
+class FrozenPart(ShardedPart):
+    """A unit's frozen parameters, sharded as its trainable ones (FSDP2 shards them too) and
+    gathered and released with them; no gradient, reduce-scatter or optimizer state."""
+
+
+class Unit(ShardedPart):
+    """One unit: a module, its trainable parameters sharded (ShardedPart), and its frozen
+    ones (`frozen`), which every move of the lifecycle takes along."""
+
+    def __init__(self, name: str, module: nn.Module, group: FlatParamGroup,
+                 local: torch.Tensor, replicated: bool = False) -> None:
+        super().__init__(name, group, local, replicated)
+        self.name = name
+        self.module = module
+        self.gathered = False
+        self.frozen: FrozenPart | None = None  # its frozen parameters (make_units)
+
+    def start_gather(self) -> None:
+        super().start_gather()
+        if self.frozen is not None:
+            self.frozen.start_gather()
+
+    def finish_gather(self) -> None:
+        super().finish_gather()
+        if self.frozen is not None:
+            self.frozen.finish_gather()
+        self.gathered = True
+
+    def reshard_after_forward(self) -> None:
+        """reshard_after_forward=d: keep this rank's 1/d of the gathered buffers, release."""
+        self.keep_post()
+        if self.frozen is not None:
+            self.frozen.keep_post()
+        self.release()
+
+    def drop_post(self) -> None:
+        """A forward whose backward never came (or the step): its 1/d copy is stale."""
+        self.post = None
+        if self.frozen is not None:
+            self.frozen.post = None
+
+    def release(self) -> None:
+        super().release()
+        self.gathered = False
         if self.frozen is not None:
             self.frozen.release()
 
