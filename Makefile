@@ -18,7 +18,7 @@ LOAD ?= 2
 COURSE_ARGS := --nproc $(NPROC) --backend $(BACKEND) --device $(DEVICE) $(if $(ONLY),--only $(ONLY))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab run figures test soak student bench clean
+.PHONY: help setup lab run figures test soak student grade bench clean
 
 help: ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -86,6 +86,11 @@ soak: setup ## run notebooks RUNS times under nbval beside LOAD busy processes (
 
 student: setup ## write student copies (solutions replaced by stubs) to build/student/
 	$(PY) -m zero_lab.grading student --out build/student
+
+# Knobs for grade: SUBMISSIONS (a folder of <student>/<notebook>.ipynb), SEED, JOBS.
+grade: setup ## grade SUBMISSIONS=<folder of student folders> into runs/grades/<run>/ (SEED=0 JOBS=2)
+	@test -n "$(SUBMISSIONS)" || { echo "make grade SUBMISSIONS=<folder>: which folder?"; exit 2; }
+	$(PY) -m zero_lab.grading grade "$(SUBMISSIONS)" --seed $(or $(SEED),0) -j $(or $(JOBS),2)
 
 bench: setup ## benchmark DDP, ZeroRedundancyOptimizer and zero_lab stages into a folder of its own under runs/bench/
 	$(PY) -m zero_lab.course.bench

@@ -4,11 +4,17 @@ How an exercise looks in a notebook: one cell holds a function the learner compl
 reference solution fenced by `### BEGIN SOLUTION` / `### END SOLUTION`; the next cell calls
 `zero_lab.grading.check_<name>(the_function)`, which prints one ✓ line or raises
 `ExerciseFailed` with the failing case, expected vs got, and a hint (never a traceback).
-`python -m zero_lab.grading student --out build/student` writes the learners' copies.
+`python -m zero_lab.grading student --out build/student` writes the learners' copies;
+`python -m zero_lab.grading grade SUBMISSIONS` grades a folder of them (batch.py).
 
     framework.py        ExerciseFailed, Case, same, run_cases: how to write a check
     student.py          the student copies: solutions replaced by stubs, outputs cleared
     remote.py           running the learner's functions on 3 ranks (zero_lab/workers/)
+    batch.py            `grade`: a folder of submissions graded outside the students' kernels
+    sandbox.py          the child process one exercise of one submission runs in
+    submissions.py      each exercise's `def`s taken from a submission with the AST
+    hidden.py           the kernel exercises' cases, drawn from the instructor's seed
+    reports.py          grades.csv, feedback per student, Gradescope's results.json, summary
     nb01_memory.py      bytes per parameter, per-rank model states, the largest model
     nb02_collectives.py the ring reduce-scatter (3 ranks), bytes a ring sends
     nb03_zero1.py       stage 1: the owned slice, the sharded optimizer step (3 ranks)

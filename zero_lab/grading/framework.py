@@ -37,6 +37,7 @@ How to write a check (for course authors; put it in the module of its notebook)
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -195,25 +196,38 @@ def run_cases(
         fail(name, f"expected a function, got {type(fn).__name__}", "pass the function itself")
     for i, case in enumerate(cases, start=1):
         where = f"case {i}/{len(cases)} {case.describe()}"
+        # A copy of the inputs for each call: a function that changes its arguments (empties
+        # a list) changes nothing the next case, the next check or the reference sees.
+        args, kwargs = copy.deepcopy((case.args, case.kwargs))
         try:
-            got = fn(*case.args, **case.kwargs)
+            got = fn(*args, **kwargs)
         except NotImplementedError:
             fail(name, "not implemented yet", NOT_IMPLEMENTED_HINT)
-        except Exception as exc:  # show the learner's error as one line, not a traceback
+        except (Exception, SystemExit, KeyboardInterrupt) as exc:  # one line, no traceback
             fail(name, f"{where} raised {type(exc).__name__}: {exc}", case.hint)
-        if compare(case.expected, got):
-            continue
-        known = []  # every known mistake that produces exactly this wrong value
-        for mistake, explanation in wrong_answers:
-            try:
-                if compare(mistake(*case.args, **case.kwargs), got):
-                    known.append(explanation)
-            except Exception:  # a mistake model that does not apply to this case
-                continue
-        diagnosis = "\n  or: ".join(known) if known else case.hint
-        detail = f"{where}\n  expected: {case.expected!r}\n  got:      {got!r}"
-        if isinstance(case.expected, float) or isinstance(got, float):
-            gap = describe_difference(case.expected, got)
-            detail += f"\n  difference: {gap}" if gap else ""
-        fail(name, detail, diagnosis)
+        problem = diagnose(case, got, compare, wrong_answers)
+        if problem is not None:
+            detail, _, diagnosis = problem.partition("\n  hint: ")
+            fail(name, f"{where}\n{detail}", diagnosis)
     passed(name, f"{len(cases)}/{len(cases)} hidden cases pass", shows)
+
+
+def diagnose(case: Case, got: Any, compare: Callable[[Any, Any], bool] = same,
+             wrong_answers: Sequence[tuple[Callable[..., Any], str]] = ()) -> str | None:
+    """None when `got` is right for `case`; else what a learner reads: expected, got, the
+    difference, and a hint (a known mistake's explanation when `got` is what it gives)."""
+    if compare(case.expected, got):
+        return None
+    known = []  # every known mistake that produces exactly this wrong value
+    for mistake, explanation in wrong_answers:
+        try:
+            if compare(mistake(*case.args, **case.kwargs), got):
+                known.append(explanation)
+        except Exception:  # a mistake model that does not apply to this case
+            continue
+    diagnosis = "\n  or: ".join(known) if known else case.hint
+    detail = f"  expected: {case.expected!r}\n  got:      {got!r}"
+    if isinstance(case.expected, float) or isinstance(got, float):
+        gap = describe_difference(case.expected, got)
+        detail += f"\n  difference: {gap}" if gap else ""
+    return f"{detail}\n  hint: {diagnosis}" if diagnosis else detail

@@ -3,11 +3,14 @@
 `check_ring_reduce_scatter` runs the learner's ring, built from isend/irecv, on 3 gloo ranks
 (zero_lab/workers/ring_exercise.py) next to `dist.reduce_scatter_single`; the ranks report
 values, the collectives issued and the bytes sent, and `judge_ring_reduce_scatter` decides.
-`check_ring_bytes_sent` is plain input -> output against `zero_lab.collectives`.
+`check_ring_bytes_sent` is plain input -> output against `zero_lab.collectives`; its cases
+come from `ring_bytes_sent_cases(rng)` (rng None: the notebook's; a `random.Random`: drawn
+ops, sizes and world sizes, for the batch grader, grading/hidden.py).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 from zero_lab.grading.framework import Case, fail, passed, run_cases
@@ -77,49 +80,83 @@ def judge_ring_reduce_scatter(name: str, reports: list[dict]) -> None:
            "you can build a reduce-scatter from sends alone: N-1 steps of 1/N of the input")
 
 
+RING_HINTS = {
+    "all_reduce": "all-reduce = reduce-scatter + all-gather: two phases of N-1 chunks",
+    "reduce_scatter": "N-1 steps, one chunk of nbytes/N per step",
+    "all_gather": "N-1 steps, one chunk of nbytes/N per step",
+    "broadcast": "every byte has to leave the root once",
+}
+RING_OPS = tuple(RING_HINTS)
+RING_WORLD_SIZES = (2, 3, 4, 5, 6, 8, 12, 16, 24, 32, 64, 128, 256, 512, 1024)
+
+
+def reference_bytes_sent(op: str, nbytes: int, world_size: int) -> float:
+    """`zero_lab.collectives.ring_bytes_sent`, imported when first used."""
+    from zero_lab.collectives import ring_bytes_sent
+
+    return ring_bytes_sent(op, nbytes, world_size)
+
+
+def _paper_volume(op, nbytes, n):
+    return 2 * nbytes if op == "all_reduce" else nbytes
+
+
+def _whole_message_each_step(op, nbytes, n):
+    return (n - 1) * nbytes
+
+
+def _all_reduce_one_phase(op, nbytes, n):
+    return (n - 1) / n * nbytes if op == "all_reduce" else reference_bytes_sent(op, nbytes, n)
+
+
+def _broadcast_split(op, nbytes, n):
+    return (n - 1) / n * nbytes * (2 if op == "all_reduce" else 1)
+
+
+RING_BYTES_WRONG = (
+    (_paper_volume, "that is the ZeRO paper's rounded volume: a rank does not send its own "
+                    "chunk, so each phase sends (N-1)/N of the message, not all of it"),
+    (_whole_message_each_step, "each step sends one chunk, nbytes/N, not the whole message"),
+    (_all_reduce_one_phase, "all-reduce has two phases (reduce-scatter, then all-gather): "
+                            "2(N-1)/N"),
+    (_broadcast_split, "broadcast cannot split the work: the root must send all nbytes itself "
+                       "(nccl-tests' bus factor 1)"),
+)
+
+
+def ring_bytes_sent_cases(rng: random.Random | None = None) -> list[Case]:
+    """The notebook's 8 cases (rng None), or 8 drawn from `rng`: every op once on N >= 3
+    ranks (each known mistake gives another value on one of them), three more of any op on
+    N >= 2, and one on a single rank; messages of 2 B to 40 GB, in a shuffled order."""
+    if rng is None:
+        configs = [
+            ("all_reduce", 4_000_000_000, 8),  # a 1B-parameter fp32 gradient on 8 GPUs
+            ("all_reduce", 1024, 2),
+            ("reduce_scatter", 2_000_000_000, 4),
+            ("all_gather", 3 * 2**20, 3),
+            ("all_gather", 1000, 2),
+            ("reduce_scatter", 64 * 2**20, 64),
+            ("broadcast", 4096, 4),
+            ("all_reduce", 12, 1),
+        ]
+    else:
+        ops = list(RING_OPS) + [rng.choice(RING_OPS) for _ in range(4)]
+        sizes = ([rng.choice(RING_WORLD_SIZES[1:]) for _ in range(4)]
+                 + [rng.choice(RING_WORLD_SIZES) for _ in range(3)] + [1])
+        configs = [(op, rng.choice((2, 4)) * rng.randrange(1, 10**10), n)
+                   for op, n in zip(ops, sizes, strict=True)]
+        rng.shuffle(configs)
+    return [Case(args=(op, nbytes, n), expected=reference_bytes_sent(op, nbytes, n),
+                 hint=RING_HINTS[op] + ("; one rank sends nothing" if n == 1 else ""))
+            for op, nbytes, n in configs]
+
+
 def check_ring_bytes_sent(fn: Callable) -> None:
     """Notebook 02: fn(op, nbytes, world_size) -> bytes one rank sends under the ring algorithm.
 
     op is "all_reduce", "reduce_scatter", "all_gather" or "broadcast"; nbytes the full message
     (reduce-scatter input, all-gather output), as nccl-tests and `zero_lab.collectives` count.
     """
-    from zero_lab.collectives import ring_bytes_sent
-
-    configs = [
-        ("all_reduce", 4_000_000_000, 8),  # a 1B-parameter fp32 gradient on 8 GPUs
-        ("all_reduce", 1024, 2),
-        ("reduce_scatter", 2_000_000_000, 4),
-        ("all_gather", 3 * 2**20, 3),
-        ("all_gather", 1000, 2),
-        ("reduce_scatter", 64 * 2**20, 64),
-        ("broadcast", 4096, 4),
-        ("all_reduce", 12, 1),
-    ]
-    hints = {
-        "all_reduce": "all-reduce = reduce-scatter + all-gather: two phases of N-1 chunks",
-        "reduce_scatter": "N-1 steps, one chunk of nbytes/N per step",
-        "all_gather": "N-1 steps, one chunk of nbytes/N per step",
-        "broadcast": "every byte has to leave the root once",
-    }
-    cases = [Case(args=(op, nbytes, n), expected=ring_bytes_sent(op, nbytes, n),
-                  hint=hints[op] + ("; one rank sends nothing" if n == 1 else ""))
-             for op, nbytes, n in configs]
-    run_cases(
-        "check_ring_bytes_sent",
-        fn,
-        cases,
-        wrong_answers=[
-            (lambda op, nbytes, n: 2 * nbytes if op == "all_reduce" else nbytes,
-             "that is the ZeRO paper's rounded volume: a rank does not send its own chunk, so "
-             "each phase sends (N-1)/N of the message, not all of it"),
-            (lambda op, nbytes, n: (n - 1) * nbytes,
-             "each step sends one chunk, nbytes/N, not the whole message"),
-            (lambda op, nbytes, n: (n - 1) / n * nbytes if op == "all_reduce"
-             else ring_bytes_sent(op, nbytes, n),
-             "all-reduce has two phases (reduce-scatter, then all-gather): 2(N-1)/N"),
-            (lambda op, nbytes, n: (n - 1) / n * nbytes * (2 if op == "all_reduce" else 1),
-             "broadcast cannot split the work: the root must send all nbytes itself "
-             "(nccl-tests' bus factor 1)"),
-        ],
-        shows="you can price each collective in the bytes one rank sends on a ring",
-    )
+    run_cases("check_ring_bytes_sent", fn, ring_bytes_sent_cases(None),
+              wrong_answers=RING_BYTES_WRONG,
+              shows="you can price each collective in the bytes one rank sends on a ring")

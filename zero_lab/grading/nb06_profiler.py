@@ -5,6 +5,10 @@ The wrong answers are the shortcuts that give plausible numbers: adding duration
 uniting intervals (nested ops counted twice, two buckets in flight counted twice), forgetting
 the step window, taking all communication as exposed; for the unit, the single longest wait,
 waits without the issuing call, or the longest span in flight.
+
+Each exercise's cases come from `<exercise>_cases(rng)`: rng None gives the notebook's, a
+`random.Random` event lists drawn from it with the same builders (for the batch grader,
+grading/hidden.py).
 """
 
 from __future__ import annotations
@@ -59,17 +63,22 @@ def _step_minus_compute(events, window):
 
 
 def _exposed_case(seed: int) -> tuple[list[Event], tuple[float, float]]:
+    """The notebook's step of seed `seed` (see _exposed_step)."""
+    return _exposed_step(random.Random(seed))
+
+
+def _exposed_step(rng: random.Random, layers: int = 4, buckets: int = 3
+                  ) -> tuple[list[Event], tuple[float, float]]:
     """A step of 1000 us: forward ops with nested children, buckets in flight that overlap
     each other and backward compute, one collective that starts before the window."""
-    rng = random.Random(seed)
     events, t = [], 0.0
-    for _ in range(4):  # forward: aten::linear > aten::addmm, then a relu
+    for _ in range(layers):  # forward: aten::linear > aten::addmm, then a relu
         d = rng.uniform(40, 80)
         events += [Event("aten::linear", t, t + d, "compute"),
                    Event("aten::addmm", t + 2, t + d - 2, "compute"),
                    Event("aten::relu", t + d, t + d + 5, "compute")]
         t += d + 5 + rng.uniform(0, 10)
-    for b in range(3):  # backward: compute, and a bucket sent while the next one computes
+    for b in range(buckets):  # backward: compute, and a bucket sent while the next one computes
         d = rng.uniform(60, 120)
         events.append(Event("aten::mm", t, t + d, "compute"))
         start = t + d
@@ -81,32 +90,83 @@ def _exposed_case(seed: int) -> tuple[list[Event], tuple[float, float]]:
     return events, (0.0, 1000.0)
 
 
-def check_exposed_communication(fn: Callable) -> None:
-    """Notebook 06: fn(events, window) -> microseconds of exposed communication in window."""
-    cases = []
-    hand = [Event("aten::linear", 0, 50, "compute"), Event("aten::addmm", 5, 45, "compute"),
+def _hand_events() -> list[Event]:
+    """The notebook's hand-made case (a new list each time: a learner may sort it in place)."""
+    return [Event("aten::linear", 0, 50, "compute"), Event("aten::addmm", 5, 45, "compute"),
             Event("all-reduce / bucket 0", 30, 90, "comm"),
             Event("all-reduce / bucket 1", 60, 100, "comm"), Event("aten::mm", 80, 95, "compute")]
-    cases.append(Case(args=(hand, (0, 120)), expected=reference_exposed(hand, (0, 120)),
-                      label="(5 events: nested compute, two buckets overlapping, window 0-120)",
-                      hint="unite the intervals of each kind first: nested ops and buckets in "
-                           "flight at the same time must count once"))
-    for seed in range(5):
-        events, window = _exposed_case(seed)
-        cases.append(Case(args=(events, window), expected=reference_exposed(events, window),
-                          label=f"(a {len(events)}-event step, seed {seed})",
-                          hint="exposed = (union of communication) minus (union of compute), "
-                               "inside the window"))
-    run_cases("check_exposed_communication", fn, cases, wrong_answers=[
-        (_summed_durations, "you added durations: a nested op (addmm inside linear) or two "
-                            "buckets in flight together were counted twice; unite intervals"),
-        (_no_window, "count only what lies inside the step's window: a collective that began "
-                     "in the previous step is partly outside it"),
-        (_all_comm, "that is all the communication; subtract the time compute was running "
-                    "beside it (that part is hidden, not exposed)"),
-        (_step_minus_compute, "that is everything that is not compute, idle time included; "
-                              "exposed time must have communication in flight"),
-    ], shows="you can read from a trace how long communication held the step up")
+
+
+UNITE_HINT = ("unite the intervals of each kind first: nested ops and buckets in flight at the "
+              "same time must count once")
+EXPOSED_HINT = "exposed = (union of communication) minus (union of compute), inside the window"
+
+
+def _shifted(events: list[Event], by: float) -> list[Event]:
+    return [Event(e.name, e.start + by, e.end + by, e.kind) for e in events]
+
+
+def _drawn_hand_case(rng: random.Random) -> tuple[list[Event], tuple[float, float]]:
+    """The hand-made case's shape with drawn times: addmm nested in linear, bucket 0 issued under
+    linear, bucket 1 overlapping it, an mm under both; the window ends after them."""
+    a = rng.uniform(40, 60)
+    b0 = (a - rng.uniform(10, 25), a + rng.uniform(30, 50))
+    b1 = (b0[1] - rng.uniform(15, 25), b0[1] + rng.uniform(5, 20))
+    mm = b1[0] + rng.uniform(1, 5)
+    events = [Event("aten::linear", 0, a, "compute"),
+              Event("aten::addmm", rng.uniform(2, 8), a - rng.uniform(2, 8), "compute"),
+              Event("all-reduce / bucket 0", *b0, "comm"),
+              Event("all-reduce / bucket 1", *b1, "comm"),
+              Event("aten::mm", mm, mm + rng.uniform(5, 12), "compute")]
+    off = rng.uniform(0, 5e6)
+    return _shifted(events, off), (off, off + b1[1] + rng.uniform(5, 30))
+
+
+def _drawn_step(rng: random.Random) -> tuple[list[Event], tuple[float, float]]:
+    """_exposed_step with 3-6 layers and 2-4 buckets, at a drawn time, in a window that ends
+    at 85-110% of the step's last event."""
+    events, _ = _exposed_step(rng, rng.randint(3, 6), rng.randint(2, 4))
+    end = max(e.end for e in events) * rng.uniform(0.85, 1.1)
+    off = rng.uniform(0, 5e6)
+    return _shifted(events, off), (off, off + end)
+
+
+def exposed_communication_cases(rng: random.Random | None = None) -> list[Case]:
+    """The notebook's 6 cases (rng None: the hand-made one, the steps of seeds 0-4), or 6
+    drawn from `rng`: the hand-made shape with drawn times, then 5 drawn steps."""
+    if rng is None:
+        hand, hand_window = _hand_events(), (0, 120)
+        steps = [(f"seed {seed}", *_exposed_case(seed)) for seed in range(5)]
+    else:
+        hand, hand_window = _drawn_hand_case(rng)
+        steps = [("drawn", *_drawn_step(rng)) for _ in range(5)]
+    lo, hi = hand_window
+    cases = [Case(args=(hand, hand_window), expected=reference_exposed(hand, hand_window),
+                  label=f"(5 events: nested compute, two buckets overlapping, window "
+                        f"{lo:.0f}-{hi:.0f})", hint=UNITE_HINT)]
+    cases += [Case(args=(events, window), expected=reference_exposed(events, window),
+                   label=f"(a {len(events)}-event step, {what})", hint=EXPOSED_HINT)
+              for what, events, window in steps]
+    return cases
+
+
+EXPOSED_WRONG = (
+    (_summed_durations, "you added durations: a nested op (addmm inside linear) or two "
+                        "buckets in flight together were counted twice; unite intervals"),
+    (_no_window, "count only what lies inside the step's window: a collective that began "
+                 "in the previous step is partly outside it"),
+    (_all_comm, "that is all the communication; subtract the time compute was running "
+                "beside it (that part is hidden, not exposed)"),
+    (_step_minus_compute, "that is everything that is not compute, idle time included; "
+                          "exposed time must have communication in flight"),
+)
+
+
+def check_exposed_communication(fn: Callable) -> None:
+    """Notebook 06: fn(events, window) -> microseconds of exposed communication in window."""
+    run_cases("check_exposed_communication", fn, exposed_communication_cases(None),
+              wrong_answers=EXPOSED_WRONG,
+              shows="you can read from a trace how long communication held the step up")
 
 
 # ----------------------------------------------------------------------------- exercise 2
@@ -155,12 +215,17 @@ def _any_collective(events):
 
 
 def _unit_case(seed: int, units: int = 6) -> list[Event]:
-    """A stage-3 step: each unit gathered in forward and backward (an issuing call, compute
-    that may hide part of it, then its wait), and reduce-scattered in backward. Four decoy
-    units are built so that each shortcut above points at one of them, not at the answer."""
-    rng = random.Random(seed)
+    """The notebook's stage-3 step of seed `seed` (see _unit_step)."""
+    return _unit_step(random.Random(seed), units)
+
+
+def _unit_step(rng: random.Random, units: int = 6, t: float = 0.0) -> list[Event]:
+    """A stage-3 step from time `t`: each unit gathered in forward and backward (an issuing
+    call, compute that may hide part of it, then its wait), and reduce-scattered in backward.
+    Four decoy units are built so that each shortcut above points at one of them, not at
+    the answer."""
     target, one_long_wait, long_waits, long_flight, big_rs = rng.sample(range(units), 5)
-    events, t = [], 0.0
+    events = []
     for phase in ("forward", "backward"):
         for u in (range(units) if phase == "forward" else reversed(range(units))):
             issue, wait, hidden = rng.uniform(2, 6), rng.uniform(5, 15), rng.uniform(20, 40)
@@ -186,21 +251,36 @@ def _unit_case(seed: int, units: int = 6) -> list[Event]:
     return events
 
 
+UNIT_HINT = ("add up, per unit, the time of its all-gather marks and of their 'wait / ' marks, "
+             "in forward and backward")
+UNIT_WRONG = (
+    (_longest_single_wait, "that unit has the single longest wait; a unit is gathered twice "
+                           "(forward and backward): add its times up"),
+    (_waits_only, "issuing the all-gather holds the thread too (gloo's isend may write the "
+                  "bytes right there): count the all-gather marks, not only the waits"),
+    (_longest_in_flight, "from issue to the end of the wait is the time in flight; the compute "
+                         "in between hid part of it. Count only the marks"),
+    (_any_collective, "count the all-gathers only: a unit's reduce-scatter is another "
+                      "collective"),
+)
+
+
+def most_exposed_unit_cases(rng: random.Random | None = None) -> list[Case]:
+    """The notebook's 6 cases (rng None: the steps of seeds 0-5, 6 units), or 6 steps drawn
+    from `rng`, of 5-12 units each, starting at a drawn time."""
+    if rng is None:
+        steps = [(f"seed {seed}", _unit_case(seed)) for seed in range(6)]
+    else:
+        steps = [("drawn", _unit_step(rng, rng.randint(5, 12), rng.uniform(0, 5e6)))
+                 for _ in range(6)]
+    return [Case(args=(events,), expected=reference_most_exposed_unit(events),
+                 label=f"(a stage-3 step of {len(events)} events, {what})", hint=UNIT_HINT)
+            for what, events in steps]
+
+
 def check_most_exposed_unit(fn: Callable) -> None:
     """Notebook 06: fn(events) -> "unit k", the unit whose all-gathers held the training
     thread longest in the step (issuing + waiting, forward and backward together)."""
-    cases = [Case(args=(events,), expected=reference_most_exposed_unit(events),
-                  label=f"(a stage-3 step of {len(events)} events, seed {seed})",
-                  hint="add up, per unit, the time of its all-gather marks and of their "
-                       "'wait / ' marks, in forward and backward")
-             for seed in range(6) for events in [_unit_case(seed)]]
-    run_cases("check_most_exposed_unit", fn, cases, wrong_answers=[
-        (_longest_single_wait, "that unit has the single longest wait; a unit is gathered "
-                               "twice (forward and backward): add its times up"),
-        (_waits_only, "issuing the all-gather holds the thread too (gloo's isend may write "
-                      "the bytes right there): count the all-gather marks, not only the waits"),
-        (_longest_in_flight, "from issue to the end of the wait is the time in flight; the "
-                             "compute in between hid part of it. Count only the marks"),
-        (_any_collective, "count the all-gathers only: a unit's reduce-scatter is another "
-                          "collective"),
-    ], shows="you can find in a trace the unit whose gathers cost the step the most")
+    run_cases("check_most_exposed_unit", fn, most_exposed_unit_cases(None),
+              wrong_answers=UNIT_WRONG,
+              shows="you can find in a trace the unit whose gathers cost the step the most")

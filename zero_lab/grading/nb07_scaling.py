@@ -9,6 +9,7 @@ reserve (RESERVE_FRACTION), None where no N does. The reference steps from the c
 (N >= sharded bytes x Ψ / (room - whole bytes x Ψ)) to the exact answer of the package's
 formula (ceil(Ψ/N) parameters a rank). The known wrong answers: no reserve, no activations,
 every stage sharded like stage 3, the ratio rounded down.
+`stage_choice_cases(rng)` draws other cases from a seed (for grading/hidden.py).
 
 Why the checks hold on a busy laptop
 ------------------------------------
@@ -96,6 +97,7 @@ leave the name on the last published checkpoint (`zero_lab/checkpoint/publicatio
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Callable
 
 from zero_lab.grading.framework import Case, run_cases
@@ -145,11 +147,16 @@ def _all_sharded(n_params, gpu_bytes, activation_bytes):
     return {stage: fewest_gpus_for(n_params, 3, room) for stage in range(4)}
 
 
-def _rounded_down(n_params, gpu_bytes, activation_bytes):
+def _by_ratio(n_params, gpu_bytes, activation_bytes, rounding=math.ceil):
+    """The closed form alone, N = sharded x Ψ / (room - whole x Ψ) rounded by `rounding`."""
     room = (1 - RESERVE_FRACTION) * gpu_bytes - activation_bytes
-    return {stage: (None if room <= WHOLE_BYTES[stage] * n_params else max(1, math.floor(
+    return {stage: (None if room <= WHOLE_BYTES[stage] * n_params else max(1, rounding(
         (16 - WHOLE_BYTES[stage]) * n_params / (room - WHOLE_BYTES[stage] * n_params))))
         for stage in range(4)}
+
+
+def _rounded_down(n_params, gpu_bytes, activation_bytes):
+    return _by_ratio(n_params, gpu_bytes, activation_bytes, math.floor)
 
 
 CASES = [  # (model, GPU, activations a rank): a spread of turning points, and the extremes
@@ -160,27 +167,55 @@ CASES = [  # (model, GPU, activations a rank): a spread of turning points, and t
     dict(n_params=0.35e9, gpu_bytes=24 * GiB, activation_bytes=6 * GiB),  # all fit on one
     dict(n_params=1e9, gpu_bytes=16 * GiB, activation_bytes=15 * GiB),    # activations alone
 ]
+STAGE_CHOICE_HINT = ("whole bytes x Ψ + sharded bytes x Ψ / N + activations <= 0.9 x gpu_bytes:"
+                     "\n  the smallest whole N, or None when the whole bytes leave no room")
+STAGE_CHOICE_WRONG = (
+    (_no_reserve, "keep the reserve free: states + activations must fit in 90% of gpu_bytes "
+                  "(projection.RESERVE_FRACTION)"),
+    (_no_activations, "the activations take room on every rank, whatever N is"),
+    (_all_sharded, "only stage 3 divides all 16 bytes by N: stage 1 keeps parameters and "
+                   "gradients whole (4 bytes), stage 2 the parameters (2), stage 0 everything, "
+                   "so adding GPUs never makes it fit"),
+    (_rounded_down, "N is the ratio rounded up: one GPU fewer leaves the states too big"),
+)
+
+
+def _drawn_kw(rng, kind: str) -> dict:
+    """One case of `kind`; "pivot": activations take 60% of the GPU, stage 3 needs 4-64 GPUs,
+    its ratio 0.2-0.8 below a whole N (every known mistake moves an answer)."""
+    gpu = rng.choice((16, 24, 40, 48, 80, 94, 141, 192)) * GiB
+    share = {"pivot": 0.6, "none fit": rng.uniform(0.92, 1.0)}.get(kind, rng.uniform(0.02, 0.4))
+    room = (1 - RESERVE_FRACTION) * gpu - int(gpu * share)
+    per_room = {"pivot": (rng.randint(4, 64) - rng.uniform(0.2, 0.8)) / 16,  # Ψ / room
+                "spread": 1 / rng.uniform(4.5, 15), "stage 3 only": rng.uniform(0.55, 3),
+                "one fits all": 1 / rng.uniform(17, 60), "none fit": rng.uniform(0.01, 1)}[kind]
+    psi = per_room * (gpu if kind == "none fit" else room)
+    return dict(n_params=float(round(psi / 1e6) * 1e6), gpu_bytes=gpu,
+                activation_bytes=int(gpu * share))
+
+
+def stage_choice_cases(rng: random.Random | None = None) -> list[Case]:
+    """The notebook's CASES (rng None), or 6 drawn from `rng`: a pivot case first, two
+    spreads of turning points, one where only stage 3 fits, one where every stage fits on
+    one GPU, one where the activations leave no room. A drawn case is kept only where the
+    closed form, rounded up, gives the exact answer (as the notebook's solution does)."""
+    chosen = list(CASES) if rng is None else []
+    for kind in ([] if rng is None else
+                 ["pivot", "spread", "spread", "stage 3 only", "one fits all", "none fit"]):
+        drawn = (_drawn_kw(rng, kind) for _ in range(1000))
+        chosen.append(next(kw for kw in drawn if _by_ratio(**kw) == reference_fewest_gpus(**kw)))
+    return [Case(kwargs=kw, expected=reference_fewest_gpus(**kw), hint=STAGE_CHOICE_HINT,
+                 label=f"({kw['n_params'] / 1e9:g}B params, {kw['gpu_bytes'] / GiB:g} GiB "
+                       f"GPUs, {kw['activation_bytes'] / GiB:g} GiB of activations)")
+            for kw in chosen]
 
 
 def check_stage_choice(fn: Callable) -> None:
     """Notebook 07: fn(n_params, gpu_bytes, activation_bytes) -> {stage: the fewest GPUs at
     which its states + activations fit in the GPU less its reserve, or None}, stages 0-3."""
-    cases = [Case(kwargs=kw, expected=reference_fewest_gpus(**kw),
-                  label=f"({kw['n_params'] / 1e9:g}B params, {kw['gpu_bytes'] / GiB:g} GiB "
-                        f"GPUs, {kw['activation_bytes'] / GiB:g} GiB of activations)",
-                  hint="whole bytes x Ψ + sharded bytes x Ψ / N + activations <= 0.9 x "
-                       "gpu_bytes:\n  the smallest whole N, or None when the whole bytes "
-                       "leave no room")
-             for kw in CASES]
-    run_cases("check_stage_choice", fn, cases, wrong_answers=[
-        (_no_reserve, "keep the reserve free: states + activations must fit in 90% of "
-                      "gpu_bytes (projection.RESERVE_FRACTION)"),
-        (_no_activations, "the activations take room on every rank, whatever N is"),
-        (_all_sharded, "only stage 3 divides all 16 bytes by N: stage 1 keeps parameters and "
-                       "gradients whole (4 bytes), stage 2 the parameters (2), stage 0 "
-                       "everything, so adding GPUs never makes it fit"),
-        (_rounded_down, "N is the ratio rounded up: one GPU fewer leaves the states too big"),
-    ], shows="you can find from which N each stage fits, and so which stage wins at which N")
+    run_cases("check_stage_choice", fn, stage_choice_cases(None),
+              wrong_answers=STAGE_CHOICE_WRONG,
+              shows="you can find from which N each stage fits, and so which stage wins at which N")
 
 
 # ------------------------------------------------------------------ the notebook's claims

@@ -12,10 +12,13 @@ Bytes are full messages, as the ledger's `nbytes` and nccl-tests count them (the
 reduce-scatter's input, the all-gather's output). The wrong answers recognised are the
 shortcuts people take: k times the bytes where no_sync sends once, stage 3's backward
 gather forgotten, the whole gradient all-reduced across groups, padding to N instead of S.
+Each exercise's cases come from `<exercise>_cases(rng)`: rng None gives the notebook's, a
+`random.Random` cases drawn from it (for the batch grader, grading/hidden.py).
 """
 
 from __future__ import annotations
 
+import random
 from collections.abc import Callable
 
 from zero_lab.grading.framework import Case, run_cases
@@ -107,30 +110,52 @@ ACCUMULATION_HINTS = {
 }
 
 
+ACCUMULATION_WRONG = (
+    (_sends_every_backward,
+     "that is the loop without no_sync: k reductions per optimizer step. Under no_sync the "
+     "gradient accumulates locally and is sent once (stages 0-1, stage 2-3 'unsharded')"),
+    (_stage2_sends_once_anyway,
+     "stage 2 'sharded' cannot wait: it keeps only its slice, so each micro-batch's "
+     "gradient is reduce-scattered into it, k reduce-scatters per optimizer step"),
+    (_stage3_gathers_once,
+     "stage 3 frees each unit after its forward and gathers it again for its backward: "
+     "two all-gathers per micro-batch, 2kΨ"),
+    (_stage3_gathers_once_per_step,
+     "that is reshard_after_forward=False under no_sync (units kept gathered); with the "
+     "default each micro-batch gathers every unit twice"),
+    (_stage1_all_gathers_every_micro_batch,
+     "the parameters change only at the optimizer step: stages 1-2 all-gather the updated "
+     "slices once per optimizer step"),
+)
+MODES = ("sharded", "unsharded")
+
+
+def accumulation_bytes_cases(rng: random.Random | None = None) -> list[Case]:
+    """The notebook's ACCUMULATION_CASES (rng None), or 10 drawn from `rng`: stages 0 and 1,
+    stages 2 and 3 in both modes, two of any stage, all with k = 2-64 micro-batches, then
+    two with k = 1; Ψ of 1 KB to 140 GB (2 or 4 bytes a parameter)."""
+    if rng is None:
+        configs = ACCUMULATION_CASES
+    else:
+        stages = [(0, rng.choice(MODES)), (1, rng.choice(MODES)), (2, "sharded"),
+                  (2, "unsharded"), (3, "sharded"), (3, "unsharded")]
+        stages += [(rng.randrange(4), rng.choice(MODES)) for _ in range(4)]
+        configs = [(stage, rng.choice((2, 4)) * rng.randrange(500, 35 * 10**9),
+                    rng.randint(2, 64) if i < 8 else 1, mode)
+                   for i, (stage, mode) in enumerate(stages)]
+    return [Case(args=(stage, psi, k, mode),
+                 expected=reference_accumulation_bytes(stage, psi, k, mode),
+                 hint=ACCUMULATION_HINTS[stage])
+            for stage, psi, k, mode in configs]
+
+
 def check_accumulation_bytes(fn: Callable) -> None:
     """Notebook 08: fn(stage, psi_bytes, k, grad_accumulation) -> {op: bytes} of one optimizer
     step of k micro-batches, the first k - 1 under model.no_sync()."""
-    cases = [Case(args=(stage, psi, k, mode),
-                  expected=reference_accumulation_bytes(stage, psi, k, mode),
-                  hint=ACCUMULATION_HINTS[stage])
-             for stage, psi, k, mode in ACCUMULATION_CASES]
-    run_cases("check_accumulation_bytes", fn, cases, compare=nonzero_ops_equal, wrong_answers=[
-        (_sends_every_backward,
-         "that is the loop without no_sync: k reductions per optimizer step. Under no_sync the "
-         "gradient accumulates locally and is sent once (stages 0-1, stage 2-3 'unsharded')"),
-        (_stage2_sends_once_anyway,
-         "stage 2 'sharded' cannot wait: it keeps only its slice, so each micro-batch's "
-         "gradient is reduce-scattered into it, k reduce-scatters per optimizer step"),
-        (_stage3_gathers_once,
-         "stage 3 frees each unit after its forward and gathers it again for its backward: "
-         "two all-gathers per micro-batch, 2kΨ"),
-        (_stage3_gathers_once_per_step,
-         "that is reshard_after_forward=False under no_sync (units kept gathered); with the "
-         "default each micro-batch gathers every unit twice"),
-        (_stage1_all_gathers_every_micro_batch,
-         "the parameters change only at the optimizer step: stages 1-2 all-gather the updated "
-         "slices once per optimizer step"),
-    ], shows="you can price accumulation at each stage: what no_sync saves and what it costs")
+    run_cases("check_accumulation_bytes", fn, accumulation_bytes_cases(None),
+              compare=nonzero_ops_equal, wrong_answers=ACCUMULATION_WRONG,
+              shows="you can price accumulation at each stage: what no_sync saves and what it "
+                    "costs")
 
 
 # ------------------------------------------------------------------ exercise 2: HSDP
@@ -190,34 +215,72 @@ HSDP_CASES = [  # (unit sizes, R, S, bytes per element)
 ]
 
 
-def _hsdp_compare(expected: dict, got) -> bool:
+def hsdp_compare(expected: dict, got) -> bool:
+    """check_hsdp_bytes' comparison: both levels, each with nonzero_ops_equal."""
     return (isinstance(got, dict) and set(got) == set(expected)
             and all(nonzero_ops_equal(expected[level], got[level]) for level in expected))
+
+
+HSDP_HINT = ("each unit is padded to a multiple of S and sharded over its group: inside, it is "
+             "all-gathered twice (forward, backward) and its gradient reduce-scattered once; "
+             "across, only the averaged slice (1/S of the unit) is all-reduced")
+HSDP_WRONG = (
+    (_full_gradient_across,
+     "the whole gradient all-reduced across groups: after the reduce-scatter inside, each "
+     "rank only holds (and needs) its averaged 1/S slice, so only Ψ/S crosses the groups"),
+    (_one_gather_per_unit,
+     "one all-gather per unit: stage 3 frees the unit after its forward and gathers it "
+     "again for its backward (2 all-gathers per unit per step)"),
+    (_padded_to_world,
+     "padded to a multiple of N: a unit is sharded over the S ranks of a group, so it is "
+     "padded to a multiple of S"),
+    (_not_padded,
+     "not padded: the flat buffer is padded to a multiple of S so every rank holds an "
+     "equal slice"),
+    (_flat_stage3,
+     "that is flat stage 3 on all N ranks; HSDP shards inside a group of S and all-reduces "
+     "the slices across the R groups"),
+)
+MESH_SIDES = (2, 3, 4, 8, 16)  # R and S drawn from these
+
+
+def _odd_units(rng: random.Random, replicas: int, shards: int) -> list[int]:
+    """2-6 unit sizes that S does not divide and whose S-padding N = R x S does not divide:
+    padding to S, to N and not at all give three different sizes."""
+    units = []
+    for _ in range(rng.randint(2, 6)):
+        q = rng.randrange(1, 50_000)
+        q += q % replicas == replicas - 1  # the padded size, S x (q + 1), not a multiple of N
+        units.append(shards * q + rng.randrange(1, shards))
+    return units
+
+
+def hsdp_bytes_cases(rng: random.Random | None = None) -> list[Case]:
+    """The notebook's HSDP_CASES (rng None), or 5 drawn from `rng`: first odd unit sizes on
+    an R x S mesh with R, S >= 2 (every known mistake gives another value), then two of any
+    sizes, one S = 1 mesh (DDP), one model of 8-64 equal blocks of 0.1-0.3B in bf16."""
+    if rng is None:
+        configs = HSDP_CASES
+    else:
+        r, s = rng.choice(MESH_SIDES), rng.choice(MESH_SIDES)
+        configs = [(_odd_units(rng, r, s), r, s, rng.choice((2, 4)))]
+        for _ in range(2):
+            units = [rng.randrange(1, 2_000_000) for _ in range(rng.randint(1, 8))]
+            configs.append((units, rng.choice(MESH_SIDES), rng.choice(MESH_SIDES),
+                            rng.choice((2, 4))))
+        configs.append(([rng.randrange(1, 100_000) for _ in range(rng.randint(1, 4))],
+                        rng.choice(MESH_SIDES), 1, 4))
+        configs.append(([rng.randrange(10**8, 3 * 10**8)] * rng.randint(8, 64),
+                        rng.choice(MESH_SIDES), rng.choice(MESH_SIDES), 2))
+    return [Case(args=(units, r, s, b), expected=reference_hsdp_bytes(units, r, s, b),
+                 hint=HSDP_HINT)
+            for units, r, s, b in configs]
 
 
 def check_hsdp_bytes(fn: Callable) -> None:
     """Notebook 08: fn(unit_numels, replicas, shards, bytes_per_elem) -> {"shard": {op: bytes},
     "replicate": {op: bytes}} that one rank's collectives carry in one stage-3 step."""
-    hint = ("each unit is padded to a multiple of S and sharded over its group: inside, it is "
-            "all-gathered twice (forward, backward) and its gradient reduce-scattered once; "
-            "across, only the averaged slice (1/S of the unit) is all-reduced")
-    cases = [Case(args=(units, r, s, b), expected=reference_hsdp_bytes(units, r, s, b),
-                  hint=hint)
-             for units, r, s, b in HSDP_CASES]
-    run_cases("check_hsdp_bytes", fn, cases, compare=_hsdp_compare, wrong_answers=[
-        (_full_gradient_across,
-         "the whole gradient all-reduced across groups: after the reduce-scatter inside, each "
-         "rank only holds (and needs) its averaged 1/S slice, so only Ψ/S crosses the groups"),
-        (_one_gather_per_unit,
-         "one all-gather per unit: stage 3 frees the unit after its forward and gathers it "
-         "again for its backward (2 all-gathers per unit per step)"),
-        (_padded_to_world,
-         "padded to a multiple of N: a unit is sharded over the S ranks of a group, so it is "
-         "padded to a multiple of S"),
-        (_not_padded,
-         "not padded: the flat buffer is padded to a multiple of S so every rank holds an "
-         "equal slice"),
-        (_flat_stage3,
-         "that is flat stage 3 on all N ranks; HSDP shards inside a group of S and all-reduces "
-         "the slices across the R groups"),
-    ], shows="you can split HSDP's traffic into what stays in a group and what crosses groups")
+    run_cases("check_hsdp_bytes", fn, hsdp_bytes_cases(None), compare=hsdp_compare,
+              wrong_answers=HSDP_WRONG,
+              shows="you can split HSDP's traffic into what stays in a group and what crosses "
+                    "groups")
