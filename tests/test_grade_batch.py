@@ -155,15 +155,27 @@ def test_routes_to_a_false_tick_score_zero(graded):
     assert points(graded, "no_notebook")["check_bytes_per_param"][2] == "missing"
 
 
-def test_a_course_function_called_for_the_answer_passes_which_the_readme_says(tmp_path):
+def test_a_course_function_passes_and_a_patched_check_does_not(tmp_path):
     # An open course cannot hide its references; the seed only makes copied outputs useless.
     submit(tmp_path / "in", "reads_the_reference", {NB01: with_body(
         course(NB01), "my_bytes_per_param",
         "from zero_lab.grading.nb01_memory import recipe_bytes\n"
         "return recipe_bytes(params, grads, master, states, n_states)")})
+    # and, in the graded function itself, the checks' machinery switched off: nothing it
+    # reaches gives a verdict here
+    submit(tmp_path / "in", "patches_the_checks", {NB01: with_body(
+        course(NB01), "my_bytes_per_param",
+        "import zero_lab.grading.framework as f\n"
+        "f.fail = f.run_cases = f.passed = lambda *a, **k: None\n"
+        "f.same = lambda *a, **k: True\n"
+        'f.ExerciseFailed._render_traceback_ = lambda self: ["✓"]\n'
+        'return {"params": 0, "grads": 0, "optimizer": 0, "total": 0}')})
     done = batch.grade(tmp_path / "in", tmp_path / "out", seed=7, only="01",
                        progress=lambda line: None)
-    assert {g.exercise.check: g.status for g in done}["check_bytes_per_param"] == "pass"
+    got = {(g.student, g.exercise.check): g for g in done}
+    assert got[("reads_the_reference", "check_bytes_per_param")].status == "pass"
+    patched = got[("patches_the_checks", "check_bytes_per_param")]
+    assert patched.points == 0 and patched.status == "fail", patched.lines
 
 
 def test_the_reports(graded):

@@ -37,3 +37,29 @@ def test_an_exit_is_the_checks_message(ending):
 
     with pytest.raises(ExerciseFailed, match=f"raised {ending.__name__}: bye"):
         run_cases("check_total", ends, cases(), shows="you can add")
+
+
+def test_a_rank_exercise_that_never_returns_fails_before_any_rank_starts():
+    """It hung the kernel in the stub probe before any launch, with no message."""
+    import time
+
+    from zero_lab.grading import check_owned_range
+
+    def owned_range(numel, world_size, rank):
+        while True:
+            pass
+
+    start = time.monotonic()
+    with pytest.raises(ExerciseFailed, match="did not return within 5 s"):
+        check_owned_range(owned_range)
+    assert time.monotonic() - start < 30
+
+
+def test_a_rank_exercise_that_exits_is_the_checks_message():
+    from zero_lab.grading import check_owned_range
+
+    def owned_range(numel, world_size, rank):
+        raise SystemExit(0)
+
+    with pytest.raises(ExerciseFailed, match="raised SystemExit on a dummy call"):
+        check_owned_range(owned_range)

@@ -15,11 +15,14 @@ removed once it is given, unless it sends the learner to them.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import shutil
+import signal
 import tempfile
 import textwrap
+import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -32,8 +35,10 @@ from zero_lab.launch.paths import WORKERS
 
 RANKS = 3  # enough for a middle rank, a remainder and a ring that wraps around
 # What a timeout most often means; a check passes its own hint when it knows better.
-HANG_HINT = ("a rank is waiting in a collective that another rank never called: every rank "
-             "must issue the same collectives, in the same order, with the same sizes")
+HANG_HINT = ("a rank is waiting in a collective that another rank never called (every rank "
+             "must issue the same collectives, in the same order, with the same sizes), or "
+             "your function takes far longer than it should: the reference finishes every "
+             "case in a few seconds")
 
 
 @dataclass(frozen=True)
@@ -69,12 +74,48 @@ def function_source(check: str, fn: Callable) -> str:
     raise AssertionError("unreachable")
 
 
-def is_stub(fn: Callable, args: tuple) -> bool:
-    """Does fn raise NotImplementedError at once? (A stub fails without starting any rank.)"""
+PROBE_SECONDS = 5.0  # a dummy call outside any process group returns or fails at once
+
+
+class ProbeTimeout(Exception):
+    pass
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise ProbeTimeout in this (main) thread after `seconds`; elsewhere, no limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise ProbeTimeout
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
     try:
-        fn(*args)
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def is_stub(fn: Callable, args: tuple, check: str = "check") -> bool:
+    """Does fn raise NotImplementedError at once? (A stub fails without starting any rank.)
+    A call that does not return within PROBE_SECONDS, or ends the process, fails the check
+    here, before any rank starts (it hung the kernel before, with no message)."""
+    try:
+        with time_limit(PROBE_SECONDS):
+            fn(*args)
     except NotImplementedError:
         return True
+    except ProbeTimeout:
+        fail(check, f"{fn.__name__}() did not return within {PROBE_SECONDS:.0f} s on a dummy "
+                    "call outside any process group, where it should fail at its first "
+                    "collective", "look for a loop that never ends before the first collective")
+    except (SystemExit, KeyboardInterrupt) as exc:
+        fail(check, f"{fn.__name__}() raised {type(exc).__name__} on a dummy call",
+             "an exercise returns or raises; it never ends the process")
     except Exception:  # noqa: BLE001 - expected: no process group in this process
         return False
     return False
@@ -95,7 +136,7 @@ def run_on_ranks(check: str, runs: Sequence[tuple[RankExercise, Sequence[Callabl
     for exercise, fns in runs:
         for fn in fns:
             sources[fn.__name__] = function_source(check, fn)
-            if is_stub(fn, exercise.probe()):
+            if is_stub(fn, exercise.probe(), check):
                 fail(check, "not implemented yet", NOT_IMPLEMENTED_HINT)
     keys = [exercise_key(exercise, fns) for exercise, fns in runs]
 
