@@ -57,22 +57,27 @@ def side(module: str) -> str:
     return "shared"
 
 
-def imported_modules(source: str, known: set[str]) -> set[str]:
-    """Every zero_lab module `source` imports (a package's __init__ runs too)."""
+def import_targets(source: str, known: set[str]) -> set[str]:
+    """The modules `source` names in its imports, each by its own name, lazy imports too:
+    `from zero_lab import grading` is the submodule zero_lab.grading, `from zero_lab.stages
+    import shard` the package zero_lab.stages."""
     found: set[str] = set()
     for node in ast.walk(ast.parse(source)):
         if isinstance(node, ast.Import):
-            names = [alias.name for alias in node.names]
+            found.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            # `from zero_lab import grading` imports the submodule zero_lab.grading
-            names = [f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known
-                     else node.module for alias in node.names]
-        else:
-            continue
-        for name in names:
-            if name == "zero_lab" or name.startswith("zero_lab."):
-                parts = name.split(".")
-                found.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))
+            found.update(f"{node.module}.{alias.name}" if f"{node.module}.{alias.name}" in known
+                         else node.module for alias in node.names)
+    return found
+
+
+def imported_modules(source: str, known: set[str]) -> set[str]:
+    """Every zero_lab module `source` imports (a package's __init__ runs too)."""
+    found: set[str] = set()
+    for name in import_targets(source, known):
+        if name == "zero_lab" or name.startswith("zero_lab."):
+            parts = name.split(".")
+            found.update(".".join(parts[:i]) for i in range(2, len(parts) + 1))
     return found
 
 
@@ -195,20 +200,9 @@ def test_the_tests_import_their_shared_launches_one_way():
 def import_graph(sources: dict[str, tuple[str, str]], known: set[str]) -> dict[str, set[str]]:
     """module -> the zero_lab modules it imports, each by its own name (a package's name only
     when the package itself is imported), lazy imports included."""
-    graph = {}
-    for where, (_, source) in sources.items():
-        targets = set()
-        for node in ast.walk(ast.parse(source)):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                names = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}" in known
-                         else node.module for a in node.names]
-            else:
-                continue
-            targets |= {name for name in names if name in known and name != where}
-        graph[where] = targets
-    return graph
+    return {where: {name for name in import_targets(source, known)
+                    if name in known and name != where}
+            for where, (_, source) in sources.items()}
 
 
 def circles(graph: dict[str, set[str]]) -> list[list[str]]:
