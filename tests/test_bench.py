@@ -14,7 +14,7 @@ import pytest
 
 from zero_lab.course import bench
 from zero_lab.launch.capacity import available_cores
-from zero_lab.predict.memory import model_state_bytes
+from zero_lab.memory import model_state_bytes
 
 CONFIG = bench.BenchConfig(width=48, depth=3, batch=4, rounds=2, steps=2, warmup=2)
 PSI = 3 * (48 * 48 + 48)

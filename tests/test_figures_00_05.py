@@ -16,8 +16,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 
+from zero_lab import memory  # noqa: E402
 from zero_lab.course import plots  # noqa: E402
-from zero_lab.predict import memory  # noqa: E402
 
 # Notebook 01, section 5: a 7B GPT (32 layers, h = 4096, 32 heads), micro-batch 1
 SEQ_LENS = [1024, 2048, 4096, 8192, 16384, 32768]

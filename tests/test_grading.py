@@ -12,10 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from zero_lab import grading
+from zero_lab import grading, memory
 from zero_lab.grading import Case, ExerciseFailed
 from zero_lab.grading import nb01_memory as nb01
-from zero_lab.predict import memory
 
 REPO = Path(__file__).resolve().parent.parent
 NOTEBOOKS = sorted((REPO / "notebooks").glob("*.ipynb"))

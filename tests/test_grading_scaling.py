@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 from test_grading import _exercises, assert_check_grades
 
+from zero_lab import memory
 from zero_lab.grading import nb07_scaling as nb07
 from zero_lab.launch.paths import NOTEBOOKS
-from zero_lab.predict import memory
 
 NB07 = NOTEBOOKS / "07_choosing_a_stage.ipynb"
 WRONG = [

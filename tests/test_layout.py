@@ -35,7 +35,7 @@ RANK_IMPORTS_ALLOWED = {
 
 # Modules longer than ~400 lines, each one idea read top to bottom.
 LONG_MODULES = {
-    "zero_lab/predict/memory.py": "the calculators, in the order notebook 01 teaches them; "
+    "zero_lab/memory.py": "the calculators, in the order notebook 01 teaches them; "
                                   "no torch",
     "zero_lab/course/plots.py": "one figure function per notebook section, in course order",
     "zero_lab/stages/zero3.py": "stage 3 read top to bottom: one step's hooks, in order, with "

@@ -1,4 +1,4 @@
-"""zero_lab.predict.memory: exact byte counts, published values, error messages, properties."""
+"""zero_lab.memory: exact byte counts, published values, error messages, properties."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from zero_lab.predict import memory
+from zero_lab import memory
 
 GB = 10**9
 GiB = 2**30
@@ -47,7 +47,7 @@ def test_sixteen_bytes_both_ways_with_different_split():
 
 
 def test_memory_imports_without_torch():
-    code = "import sys, zero_lab.predict.memory; assert 'torch' not in sys.modules"
+    code = "import sys, zero_lab.memory; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

@@ -4,9 +4,9 @@ does not divide."""
 
 from __future__ import annotations
 
+from zero_lab import memory
 from zero_lab.launch import torchrun
 from zero_lab.launch.paths import WORKERS
-from zero_lab.predict import memory
 
 
 def test_one_rank_of_n_holds_the_formula_plus_padding_up_to_n_1024():

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from zero_lab.predict import memory
+from zero_lab import memory
 
 PSI = 7_500_000_000  # divisible by every N below: the formula is exact, no padding
 WORLD_SIZES = (1, 2, 8)

@@ -38,8 +38,9 @@ import dataclasses
 import pytest
 import torch
 
+from zero_lab import memory
 from zero_lab.grading import nb07_scaling as checks
-from zero_lab.predict import memory, projection
+from zero_lab.predict import projection
 
 GiB = 2**30
 PSI = 3 * (10 * 10 + 10)  # the tiny MLP of test_memory_at_scale

@@ -14,9 +14,9 @@ import torch
 from common import case_reports
 from torch import nn
 
+from zero_lab import memory
 from zero_lab.course import workloads as W
 from zero_lab.grading import nb08_knobs_recompute as checks
-from zero_lab.predict import memory
 from zero_lab.stages.mixed_precision import (
     check_policy,
     kept_parameter_ids,

@@ -7,10 +7,11 @@ import dataclasses
 
 import pytest
 
+from zero_lab import memory
 from zero_lab.collectives.timing import AlphaBeta, AlphaBetaModel
 from zero_lab.collectives.volume import ring_bytes_sent, ring_steps
 from zero_lab.predict import links as interconnect
-from zero_lab.predict import memory, projection
+from zero_lab.predict import projection
 from zero_lab.predict.projection import Link, collective_time, project_step, recommend
 
 GiB = 2**30

@@ -14,10 +14,11 @@ import torch
 from common import case_reports
 from torch import nn
 
+from zero_lab import memory
 from zero_lab.course import workloads as W
 from zero_lab.grading import nb08_knobs_recompute as checks
 from zero_lab.measure.memory import saved_activation_bytes
-from zero_lab.predict import memory, projection
+from zero_lab.predict import projection
 from zero_lab.predict import recompute as T
 from zero_lab.stages.recompute import (
     check_checkpoint_activations,

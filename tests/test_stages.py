@@ -25,9 +25,9 @@ from common import (
     stage_case_reports,
 )
 
+from zero_lab import memory
 from zero_lab.course import workloads as W
 from zero_lab.measure.memory import held_bytes
-from zero_lab.predict import memory
 from zero_lab.stages import shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 
@@ -125,7 +125,7 @@ def _states(c: dict) -> str:
 
 def test_held_bytes_after_backward_match_the_memory_model(ranks):
     """Per rank, after backward: exactly what the flat layout implies, and the ZeRO formula
-    (zero_lab.predict.memory.model_state_bytes, fp32 or mixed) up to the padding of each group."""
+    (zero_lab.memory.model_state_bytes, fp32 or mixed) up to the padding of each group."""
     n, reports = ranks
     for rep in reports:
         for c in rep["cases"]:

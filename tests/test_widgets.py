@@ -7,8 +7,8 @@ import inspect
 import matplotlib.pyplot as plt
 import pytest
 
+from zero_lab import memory
 from zero_lab.course import plots, widgets
-from zero_lab.predict import memory
 
 GiB = 2**30
 

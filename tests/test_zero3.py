@@ -26,8 +26,8 @@ from common import (
 )
 from torch import nn
 
+from zero_lab import memory
 from zero_lab.course import workloads as W
-from zero_lab.predict import memory
 from zero_lab.stages.units import ROOT_NAME, plan_units, unit_modules
 
 FP32_ATOL = 1e-6  # fp32 weights of size ~0.1-1 after 10 steps; measured worst 1.2e-7

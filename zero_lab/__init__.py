@@ -10,8 +10,10 @@ file) names each one:
                                     pinned to stages/ by tests (same weights, same bytes)
                       collectives/  ring algorithms, the byte ledger, bytes and timing per
                                     collective, the direct exchange the stages send on gloo
-    measurement and   predict/      PREDICTED: memory calculators, step-time projection, links,
-    prediction                      the knobs' bytes, the recompute trade-off (formulas only)
+    measurement and   memory.py     PREDICTED memory: the calculators, the public API outside
+    prediction                      checks call (`from zero_lab import memory`; no torch)
+                      predict/      PREDICTED time and bytes: step-time projection, links,
+                                    the knobs' bytes, the recompute trade-off (formulas only)
                       measure/      MEASURED: bytes tensors hold, a step's memory timeline,
                                     step timing
                       profiling/    marks the stages leave in a trace, capture, analysis, checks

@@ -67,7 +67,7 @@ MODELS = {  # name: (constructor, global batch of a step, loss)
                               bias=False),
             lambda s: W.gpt_batch(s, GLOBAL_BATCH, 6, 23), W.next_token_loss),
 }
-OPTIMIZERS = {  # name (as zero_lab.predict.memory spells it): (class, hyperparameters)
+OPTIMIZERS = {  # name (as zero_lab.memory spells it): (class, hyperparameters)
     "adam": (torch.optim.Adam, {"lr": 1e-2}),
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "sgd_momentum": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),

@@ -53,7 +53,7 @@ def memory_stage_bars(rows, gpu_bytes=None, ax=None, unit=2**30, unit_name="GiB"
     """Stacked bar per ZeRO stage: params / grads / optimizer (/ activations) per rank.
 
     `rows` is a list of dicts with "stage" and any of the STATE_COLORS keys (bytes), e.g.
-    from `zero_lab.predict.memory.model_state_bytes`; a dashed line marks `gpu_bytes` if given. The
+    from `zero_lab.memory.model_state_bytes`; a dashed line marks `gpu_bytes` if given. The
     legend sits outside the axes, where it covers no bar or total. Returns the figure.
     """
     import matplotlib.pyplot as plt
@@ -97,7 +97,7 @@ def activation_curves(n_layers: int, hidden: int, heads: int, seq_lens, micro_ba
     One attention kind for every mode (`memory.ATTENTION`): mixing them (the paper's unfused
     count for "full", a fused kernel for "selective") would draw full recompute above
     selective at long sequences, where it is the cheaper of the two."""
-    from zero_lab.predict import memory
+    from zero_lab import memory
 
     return {mode: [memory.activation_bytes(n_layers, s, micro_batch, hidden, heads, mode,
                                            attention=attention) for s in seq_lens]

@@ -12,8 +12,8 @@ from __future__ import annotations
 import html
 import io
 
+from zero_lab import memory
 from zero_lab.course.formatting import model_size
-from zero_lab.predict import memory
 
 GiB = memory.GiB
 # Published model sizes (GPT-2/3, Llama, the ZeRO paper's 7.5B) from 125M to 1T: a slider

@@ -1,4 +1,4 @@
-"""Notebook 01's checks: memory accounting, plain input -> output against `zero_lab.predict.memory`.
+"""Notebook 01's checks: memory accounting, plain input -> output against `zero_lab.memory`.
 
 The learner derives, for recipes the notebook has not tabulated (fp32 gradients, 8-bit Adam,
 pure bf16 without a master copy, ...): the bytes a parameter costs, the bytes one rank holds
@@ -20,8 +20,8 @@ import random
 from collections.abc import Callable
 from fractions import Fraction
 
+from zero_lab import memory
 from zero_lab.grading.framework import Case, run_cases, same
-from zero_lab.predict import memory
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}  # the exercise's dtype names
 

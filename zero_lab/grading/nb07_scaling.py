@@ -100,8 +100,8 @@ import math
 import random
 from collections.abc import Callable
 
+from zero_lab import memory
 from zero_lab.grading.framework import Case, run_cases
-from zero_lab.predict import memory
 from zero_lab.predict.projection import FLOOR_UNITS, RESERVE_FRACTION, Recommendation
 
 GiB = 2**30

@@ -12,7 +12,7 @@ Each holds by construction (bytes, equality to torch's FSDP2), never by the mach
 
 from __future__ import annotations
 
-from zero_lab.predict import memory
+from zero_lab import memory
 from zero_lab.predict.projection import hybrid_bytes_per_step
 
 FSDP2_TOLERANCE = 1e-5  # fp32 after a few Adam steps; the sums may run in another order

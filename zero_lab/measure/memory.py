@@ -1,6 +1,6 @@
 """Measured memory: the bytes tensors really hold, on CPU and CUDA.
 
-`zero_lab.predict.memory` *predicts* bytes from formulas; this module *measures* them, so a notebook
+`zero_lab.memory` *predicts* bytes from formulas; this module *measures* them, so a notebook
 can put the two side by side (one vocabulary: predicted vs measured):
 
     held_bytes(model, opt)      model states held now, by category, the keys of
@@ -67,7 +67,7 @@ def held_model_state_bytes(
     """Bytes this process holds in parameters, gradients and optimizer states.
 
     Returns {"params", "grads", "optimizer", "total"} (plus any `extra` categories), the
-    same keys as `zero_lab.predict.memory.model_state_bytes`, so prediction and measurement can
+    same keys as `zero_lab.memory.model_state_bytes`, so prediction and measurement can
     be compared key by key.
     """
     params = list(parameters)
@@ -114,7 +114,7 @@ def held_bytes(model: nn.Module, optimizer: object | None) -> dict[str, int]:
 
     Works for a plain model + torch optimizer and for `shard()`'s optimizer, whose slices
     and fp32 masters it adds (masters count as optimizer state, the ZeRO paper's K, which is
-    how `zero_lab.predict.memory.model_state_bytes` predicts them). Storages are counted once.
+    how `zero_lab.memory.model_state_bytes` predicts them). Storages are counted once.
     Stages 0 and 1 keep a flat gradient buffer for the whole run: it counts as gradients
     even while no `.grad` points at it (after zero_grad(set_to_none=True)). torch FSDP2's
     DTensors count as their local shards.

@@ -1,6 +1,8 @@
 """PREDICTED: what training needs and costs, from formulas (nothing here measures).
 
-    memory.py      where training memory goes: the calculators (no torch)
+The memory calculators these build on are `zero_lab/memory.py`, at the top: outside checks
+call them as `from zero_lab import memory` (the course's public API).
+
     projection.py  step time and stage choice on machines we do not have
     step_time.py   one training step projected: its collectives priced, compute beside them
     links.py       what one collective costs on links we do not have (alpha-beta per link)

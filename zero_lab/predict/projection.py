@@ -37,7 +37,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from zero_lab.predict import memory
+from zero_lab import memory
 from zero_lab.predict.links import (  # noqa: F401  (re-exported: the projection's vocabulary)
     LINKS,
     MACHINES,

@@ -2,7 +2,7 @@
 
 Recompute (activation checkpointing per layer, `shard(..., checkpoint_activations=True)`)
 trades FLOPs for memory: a layer keeps only its input, 2·s·b·h bytes instead of 34·s·b·h
-(zero_lab.predict.memory.activation_bytes_per_layer), and pays one more forward: 8Ψ + 16·L·h·s
+(zero_lab.memory.activation_bytes_per_layer), and pays one more forward: 8Ψ + 16·L·h·s
 FLOPs per token instead of 6Ψ + 12·L·h·s (forward 2Ψ, backward 4Ψ, recompute 2Ψ, and
 attention's share; `projection.flops_per_token`), about a third more compute. ZeRO stage 3
 frees model-state memory instead, for 1.5x the bytes. On a GPU of a given size the two meet:
@@ -19,7 +19,8 @@ without it and runs a quarter fewer FLOPs.
 
 from __future__ import annotations
 
-from zero_lab.predict import memory, projection
+from zero_lab import memory
+from zero_lab.predict import projection
 
 STAGES = (0, 1, 2, 3)
 

@@ -89,19 +89,19 @@ def shard(
     model: nn.Module,
     stage: int,
     optimizer: Callable[[list[torch.Tensor]], torch.optim.Optimizer] = default_optimizer,
-    *,
-    # layout: how the parameters are cut and where they live
     bucket_mb: float = 25.0,
+    prefetch: bool | int = True,
+    precision: str = "fp32",
+    *,
+    # layout: how the parameters are cut and where they live (and bucket_mb above)
     unit_classes: Sequence[type] | None = None,
     root_params: str = "shard",
     reshard_after_forward: bool | int = True,
     mesh=None,
-    # precision (FSDP2's MixedPrecisionPolicy)
-    precision: str = "fp32",
+    # precision (FSDP2's MixedPrecisionPolicy, with precision above)
     keep_fp32: Sequence[type] = (),
     reduce_dtype: torch.dtype | None = None,
-    # overlap: the same bytes, sent earlier
-    prefetch: bool | int = True,
+    # overlap: the same bytes, sent earlier (and prefetch above)
     overlap_param_gather: bool | None = None,
     overlap_grad_reduce: bool | None = None,
     overlap_step: bool = False,
@@ -126,8 +126,10 @@ def shard(
     parameters, full-shaped, and its groups and settings are applied to this rank's pieces.
     Needs an initialised default process group; call it on every rank: the ranks first check
     they were all given the same model and settings (one small all-gather), and refuse
-    together if not. Every option is keyword-only, named as DDP, FSDP2 or Megatron-LM name it
-    (the guide, zero_lab/README.md, says why no policy objects):
+    together if not. `bucket_mb`, `prefetch` and `precision` may be passed by position (the
+    public API's order, which outside checks use); every other option is keyword-only, each
+    named as DDP, FSDP2 or Megatron-LM name it (the guide, zero_lab/README.md, says why no
+    policy objects):
 
     layout
       bucket_mb          stages 0-2: flat groups of about this many MB (their collectives)

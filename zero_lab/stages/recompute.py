@@ -7,7 +7,7 @@ A module whose forward is *recomputed* saves nothing for backward during the for
 input (and what it returns); when backward reaches it, torch.utils.checkpoint runs its
 forward again under autograd and backward goes on through that fresh graph. Activation
 memory per recomputed block drops from everything its ops keep (34·s·b·h bytes for a GPT
-layer, zero_lab.predict.memory.activation_bytes_per_layer) to its input (2·s·b·h), for one more
+layer, zero_lab.memory.activation_bytes_per_layer) to its input (2·s·b·h), for one more
 forward of it: training FLOPs go from 6Ψ to 8Ψ per token (forward 2Ψ, backward 4Ψ, the
 recompute 2Ψ again).
 

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.predict.memory import PRECISIONS
+from zero_lab.memory import PRECISIONS
 from zero_lab.stages.partition import TRANSPORTS
 from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
 

@@ -24,10 +24,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch.testing._internal.distributed.fake_pg import FakeStore
 
+from zero_lab import memory
 from zero_lab.course.workloads import TinyGPT, count_parameters, deep_mlp
 from zero_lab.launch import report
 from zero_lab.measure.memory import MemoryTimeline, held_bytes, model_state_tensors
-from zero_lab.predict import memory
 from zero_lab.stages import shard
 
 
