@@ -459,8 +459,14 @@ class Zero3(Zero2):
                 for u in self.units]
 
 
-@torch.compiler.disable  # runs outside the traced graph, so the error reaches the caller
 def _refuse_compile() -> None:
+    # Run outside the traced graph, so the error reaches the caller. Disabled here, not with
+    # a decorator: the decorator imports torch._dynamo, 1.5 s of every rank's start-up, and
+    # this runs only while torch.compile traces (dynamo is loaded by then).
+    torch.compiler.disable(_compile_refused)()
+
+
+def _compile_refused() -> None:
     raise RuntimeError(
         "torch.compile of a model sharded at stage 3 is not supported: stage 3 gathers and "
         "frees each unit's parameters in module hooks (all-gathers into a buffer whose memory "
