@@ -18,7 +18,7 @@ LOAD ?= 2
 COURSE_ARGS := --nproc $(NPROC) --backend $(BACKEND) --device $(DEVICE) $(if $(ONLY),--only $(ONLY))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab run figures test soak student grade bench clean
+.PHONY: help setup lab run figures test soak student grade bench gpu-check clean
 
 help: ## list the targets
 	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -94,6 +94,9 @@ grade: setup ## grade SUBMISSIONS=<folder of student folders> into runs/grades/<
 
 bench: setup ## benchmark DDP, ZeroRedundancyOptimizer and zero_lab stages into a folder of its own under runs/bench/
 	$(PY) -m zero_lab.course.bench
+
+gpu-check: setup ## on a machine with an NVIDIA GPU: tests/test_cuda.py and every notebook on NCCL, one table (NPROC=1)
+	$(PY) -m zero_lab.course.gpu_check $(if $(NPROC),--nproc $(NPROC))
 
 clean: ## remove executed notebooks, run outputs, student copies and caches (keeps .venv)
 	rm -rf runs build notebooks/workers .pytest_cache .ruff_cache

@@ -12,7 +12,6 @@ import random
 
 import pytest
 import torch
-import torch.distributed as dist
 from common import case_reports
 
 from zero_lab import grading
@@ -304,58 +303,7 @@ def test_alpha_beta_time_is_zero_on_one_rank():
 
 
 # ------------------------------------------------------------------ notebook 02's exercises
-# The learner functions below are run from their source on 3 fresh ranks by the check, so
-# each uses only torch and dist (which the check's worker provides).
-
-
-def reference_ring_reduce_scatter(output, input):
-    rank, n = dist.get_rank(), dist.get_world_size()
-    right, left = (rank + 1) % n, (rank - 1) % n
-    chunks = input.reshape(-1).clone().split(output.numel())
-    for step in range(n - 1):
-        send, recv = (rank - step - 1) % n, (rank - step - 2) % n
-        incoming = torch.empty_like(chunks[recv])
-        requests = [dist.isend(chunks[send], dst=right), dist.irecv(incoming, src=left)]
-        for request in requests:
-            request.wait()
-        chunks[recv].add_(incoming)
-    output.copy_(chunks[rank].view(output.shape))
-
-
-def stub_ring_reduce_scatter(output, input):
-    raise NotImplementedError("exercise: replace this line with your solution")
-
-
-def torch_ring_reduce_scatter(output, input):  # right values, but not built from send/recv
-    dist.reduce_scatter_single(output, input)
-
-
-def no_sum_ring_reduce_scatter(output, input):  # keeps its own chunk, never adds
-    rank = dist.get_rank()
-    output.copy_(input.reshape(-1).split(output.numel())[rank].view(output.shape))
-
-
-def test_check_ring_reduce_scatter_accepts_the_reference(capsys):
-    grading.check_ring_reduce_scatter(reference_ring_reduce_scatter)
-    assert capsys.readouterr().out.splitlines() == [
-        "check_ring_reduce_scatter: checking your reference_ring_reduce_scatter() on 3 ranks "
-        "(5-10 s)...",
-        "✓ check_ring_reduce_scatter: 5/5 cases pass on 3 ranks: dist's result, isend/irecv "
-        "only, (N-1)/N of it sent",
-        "  You showed: you can build a reduce-scatter from sends alone: N-1 steps of 1/N of the "
-        "input"]
-
-
-@pytest.mark.parametrize("fn, message, hint", [
-    (stub_ring_reduce_scatter, "not implemented yet", "replace the `raise NotImplementedError`"),
-    (torch_ring_reduce_scatter, "your function called reduce_scatter", "isend / dist.irecv"),
-    (no_sum_ring_reduce_scatter, "case 1/5 (output (1,) int64, input (3,)), rank 0",
-     "kept its own chunk r without the other ranks' contributions"),
-], ids=["stub", "calls-torch", "no-sum"])
-def test_check_ring_reduce_scatter_rejects_wrong_answers(fn, message, hint):
-    with pytest.raises(grading.ExerciseFailed) as failed:
-        grading.check_ring_reduce_scatter(fn)
-    assert message in str(failed.value) and hint in str(failed.value)
+# The ring reduce-scatter's check is tested in tests/test_grading_ring.py.
 
 
 def test_check_ring_bytes_sent_accepts_reference_rejects_mistakes(capsys):

@@ -232,3 +232,18 @@ def test_every_graded_exercise_is_in_the_batch_grader():
     for e in found.values():
         if e.hidden is None:
             assert getattr(grading, e.check).__module__ == e.module
+
+
+def test_learner_code_has_no_network_where_the_machine_allows_it():
+    """The child sees only its own loopback (offline.py); where unshare is refused, the
+    summary says learner code had the network, and this test says why it skipped."""
+    from zero_lab.grading.offline import offline_prefix
+
+    prefix, why = offline_prefix()
+    if not prefix:
+        pytest.skip(f"no network namespace here: {why}")
+    job = {"preamble": "import socket\n", "functions": ["interfaces"], "source": (
+        "def interfaces():\n    return sorted(name for _, name in socket.if_nameindex())\n"),
+        "calls": [__import__("pickle").dumps(((), {}))]}
+    answers, ended, _, _ = batch.run_child(job, 30)
+    assert ended == "done" and batch.decode(answers[0]["value"]) == ["lo"], answers

@@ -4,7 +4,8 @@ Each check must accept the reference solution, reject the stub `make student` wr
 reject plausible wrong answers with the hint that names the mistake. A check is a launch of
 zero_lab/workers/zero1_zero2_exercises.py on 3 gloo ranks followed by a verdict on what the
 ranks report; to keep this file fast, every reference and wrong answer runs in ONE launch (the
-`graded` fixture) and the tests apply each check's verdict to its reports. One test runs a
+`graded` fixture) and the tests apply each check's verdict to its reports; a second launch
+(`seeded`) runs a few of them on the cases the batch grader draws from a seed. One test runs a
 public check end to end; stubs are recognised before any launch.
 """
 
@@ -17,6 +18,13 @@ import torch
 import torch.distributed as dist
 
 from zero_lab import grading
+from zero_lab.course.rank_cases.zero1_zero2 import (
+    RANKS,
+    _bucket_numels,
+    bucket_hook_cases,
+    owned_range_cases,
+    sharded_step_cases,
+)
 from zero_lab.grading import ExerciseFailed
 from zero_lab.grading.nb03_zero1 import (
     OWNED_RANGE,
@@ -107,7 +115,7 @@ def test_sharded_step_rejects_the_stub():
 def test_sharded_step_rejects_summed_gradients_where_the_difference_shows(judge):
     with pytest.raises(ExerciseFailed, match="summed, not averaged") as err:
         judge("sharded_step", sharded_step_summed)
-    # Adam divides by the gradient's size, so a sum moves it by ~1e-10 only: the message must
+    # Adam divides by the gradient's size, so a sum moves it by ~1e-8 only: the message must
     # show the case where summing is visible (SGD), and say by how much the values differ.
     text = str(err.value)
     assert "sgd_momentum" in text, text
@@ -201,6 +209,126 @@ def test_checks_refuse_a_lambda():
         grading.check_owned_range(lambda numel, world_size, rank: (0, numel))
 
 
+# ------------------------------------------------------------------ integrity
+
+
+def on_grad_ready_summed_cheat(param, bucket):
+    # Summed, not averaged, and every comparison a rank-side check could use switched off.
+    torch.allclose = lambda *a, **k: True
+    torch.equal = lambda *a, **k: True
+    if bucket.full is None:
+        bucket.full = bucket.group.new_full()
+    bucket.group.views(bucket.full)[bucket.index(param)].copy_(param.grad)
+    param.grad = None
+    bucket.arrived += 1
+    if bucket.arrived == len(bucket.group.params):
+        owned = bucket.group.new_shard()
+        dist.reduce_scatter_single(owned, bucket.full)  # SUM
+        bucket.owned_grad += owned
+        bucket.full = None
+        bucket.arrived = 0
+
+
+def sharded_step_summed_cheat(flat_param, flat_grad, shard_param, optimizer):
+    # torch.equal -> False rather than True: True made the old rank-side "did flat_param
+    # change?" test fire, which rejected this one for the wrong reason.
+    torch.allclose = lambda *a, **k: True
+    torch.equal = lambda *a, **k: False
+    sharded_step_summed(flat_param, flat_grad, shard_param, optimizer)
+
+
+def test_switching_off_torch_comparisons_on_the_ranks_does_not_pass_a_wrong_hook(judge):
+    with pytest.raises(ExerciseFailed, match="owned_grad differs"):
+        judge("bucket_hook", on_grad_ready_summed_cheat)
+
+
+def test_switching_off_torch_comparisons_on_the_ranks_does_not_pass_a_wrong_step(judge):
+    with pytest.raises(ExerciseFailed, match="summed, not averaged"):
+        judge("sharded_step", sharded_step_summed_cheat)
+
+
+
+# ------------------------------------------------------------------ partial credit
+
+
+def test_a_judge_gives_a_verdict_per_case(judge):
+    # The batch grader's point per case: the remainder slices are right when N divides numel.
+    numels = [c.numel for c in owned_range_cases(None)]
+    for k, numel in enumerate(numels, start=1):
+        if numel % RANKS == 0:
+            judge("owned_range", owned_range_remainder_to_last, cases=[k])
+        else:
+            with pytest.raises(ExerciseFailed, match=f"case {k}/9 "):
+                judge("owned_range", owned_range_remainder_to_last, cases=[k])
+
+
+def test_a_case_some_rank_did_not_report_fails_clearly(graded):
+    reports = [dict(r) for r in graded["sharded_step:sharded_step"]]
+    reports[1]["results"] = reports[1]["results"][:1]
+    judge_sharded_step("check_sharded_step", reports, cases=[1])
+    with pytest.raises(ExerciseFailed, match="rank 1 did not report this case"):
+        judge_sharded_step("check_sharded_step", reports)
+
+
+def test_a_malformed_report_fails_the_check_cleanly(graded):
+    for key, verdict, field, value in [
+            ("owned_range:owned_range_remainder_to_last", judge_owned_range, "got", ["0", 1]),
+            ("sharded_step:sharded_step", judge_sharded_step, "steps", [{"flat_param": "x"}]),
+            ("bucket_hook:on_grad_ready", judge_bucket_hook, "comm", [{"op": 3}]),
+            ("bucket_hook:on_grad_ready", judge_bucket_hook, "owned_grads", [[None]])]:
+        reports = [{**r, "results": [{**rec, field: value} for rec in r["results"]]}
+                   for r in graded[key]]
+        with pytest.raises(ExerciseFailed, match="could not be read"):
+            verdict("check", reports)
+
+
+# ------------------------------------------------------------------ seeded cases
+
+
+@pytest.mark.parametrize("cases", [owned_range_cases, sharded_step_cases, bucket_hook_cases])
+def test_seeded_cases_are_drawn_from_the_seed(cases):
+    assert cases(7) == cases(7) and cases(8) == cases(8)
+    assert cases(7) != cases(None) and cases(8) != cases(None) and cases(7) != cases(8)
+
+
+@pytest.mark.parametrize("seed", [None, 7, 8, 11, 12345])
+def test_seeded_cases_keep_the_properties_the_notebook_s_were_chosen_for(seed):
+    numels = [c.numel for c in owned_range_cases(seed)]
+    assert numels[0] == 1 and len(set(numels)) == len(numels) >= 9
+    assert any(x % RANKS == 0 for x in numels) and any(x % RANKS for x in numels)
+    padding_only = [x for x in numels if -(-x // RANKS) * (RANKS - 1) >= x]  # the last slice
+    assert len(padding_only) >= 2 and numels[-1] > 100_000
+    steps = sharded_step_cases(seed)
+    assert sorted(c.optimizer for c in steps) == ["adam", "adamw", "sgd_momentum"]
+    assert all(c.numel % RANKS and c.steps >= 2 for c in steps)
+    assert steps[0].local_grad(0, 0).tolist() != steps[0].local_grad(0, 1).tolist()
+    many, one = bucket_hook_cases(seed)
+    numels = [p.numel() for p in many.model().parameters()][::-1]
+    assert len(_bucket_numels(numels, many.bucket_bytes // 8)) >= 2
+    assert any(b % RANKS for b in _bucket_numels(numels, many.bucket_bytes // 8))
+    assert _bucket_numels(numels, one.bucket_bytes // 8) == [sum(numels)]
+    assert sum(numels) % RANKS and many.backwards == 2
+
+
+def test_seeded_cases_pass_the_reference(judge, capsys):
+    judge("owned_range", owned_range, seed=7)
+    judge("sharded_step", sharded_step, seed=7)
+    judge("bucket_hook", on_grad_ready, seed=7)
+    out = capsys.readouterr().out
+    assert "9/9 buffer sizes pass" in out and "3/3 cases pass" in out, out
+    assert "2/2 layouts pass" in out, out
+
+
+def test_seeded_cases_reject_wrong_answers(judge):
+    with pytest.raises(ExerciseFailed, match="the same number of elements"):
+        judge("owned_range", owned_range_remainder_to_last, seed=7)
+    with pytest.raises(ExerciseFailed, match="summed, not averaged") as err:
+        judge("sharded_step", sharded_step_summed, seed=7)
+    assert "sgd_momentum" in str(err.value)
+    with pytest.raises(ExerciseFailed, match="still hold a full .grad"):
+        judge("bucket_hook", on_grad_ready_returns_none, seed=7)
+
+
 # ------------------------------------------------------------------ one launch for all
 
 RUNS = [
@@ -211,6 +339,9 @@ RUNS = [
     ("bucket_hook", on_grad_ready),
     ("bucket_hook", on_grad_ready_n_copies),
     ("bucket_hook", on_grad_ready_returns_none),
+    # Last: they change torch itself on the ranks, for every run after them in the launch.
+    ("sharded_step", sharded_step_summed_cheat),
+    ("bucket_hook", on_grad_ready_summed_cheat),
 ]
 EXERCISES = {"owned_range": (OWNED_RANGE, "check_owned_range", judge_owned_range),
              "sharded_step": (SHARDED_STEP, "check_sharded_step", judge_sharded_step),
@@ -220,12 +351,37 @@ EXERCISES = {"owned_range": (OWNED_RANGE, "check_owned_range", judge_owned_range
 @pytest.fixture(scope="module")
 def graded():
     """Every (exercise, function) above, run on 3 ranks in a single launch."""
-    return run_on_ranks("tests", [(EXERCISES[exercise][0], [fn]) for exercise, fn in RUNS])
+    # The stub probe calls each function once in this process (remote.is_stub), so the
+    # cheats switch off torch's comparisons here too, where the judges compare: put them back.
+    # (The batch grader probes in its child and judges in its own process.)
+    comparisons = torch.allclose, torch.equal
+    try:
+        return run_on_ranks("tests", [(EXERCISES[exercise][0], [fn]) for exercise, fn in RUNS])
+    finally:
+        torch.allclose, torch.equal = comparisons
+
+
+SEEDED = [
+    ("owned_range", owned_range),
+    ("owned_range", owned_range_remainder_to_last),
+    ("sharded_step", sharded_step),
+    ("sharded_step", sharded_step_summed),
+    ("bucket_hook", on_grad_ready),
+    ("bucket_hook", on_grad_ready_returns_none),
+]
+
+
+@pytest.fixture(scope="module")
+def seeded():
+    """A few of them on the cases of seed 7 (the batch grader's kind), in a second launch."""
+    return run_on_ranks("tests", [(EXERCISES[exercise][0], [fn]) for exercise, fn in SEEDED],
+                        seed=7)
 
 
 @pytest.fixture
-def judge(graded):
-    def run(exercise, fn):
+def judge(request):
+    def run(exercise, fn, seed=None, cases=None):
         _, name, verdict = EXERCISES[exercise]
-        verdict(name, graded[f"{exercise}:{fn.__name__}"])
+        runs = request.getfixturevalue("graded" if seed is None else "seeded")
+        verdict(name, runs[f"{exercise}:{fn.__name__}"], seed=seed, cases=cases)
     return run

@@ -24,7 +24,7 @@ PARENT_ONLY = ("zero_lab.grading", "zero_lab.course.bench", "zero_lab.course.plo
                "zero_lab.course.trace_plots", "zero_lab.course.scaling_plots",
                "zero_lab.course.knob_plots",
                "zero_lab.course.runner", "zero_lab.course.__main__", "zero_lab.course.soak",
-               "zero_lab.course.widgets")
+               "zero_lab.course.widgets", "zero_lab.course.gpu_check")
 RANK_SIDE = "zero_lab.workers"
 # Rank scripts that run other rank scripts' parts in their own launch (one torchrun start-up
 # instead of several on a 2-core machine); each part still runs alone as its own script.

@@ -113,23 +113,28 @@ def ledger_records(ledger: CommLedger) -> list[dict]:
 
 
 def run_exercises(argv: list[str], runners: dict, extra: dict | None = None) -> None:
-    """SOURCE_FILE EXERCISE:FUNCTION[,FUNCTION] [...]: run each in turn on every rank.
+    """SOURCE_FILE [--seed N] EXERCISE:FUNCTION[,FUNCTION] [...]: run each in turn on every rank.
 
     The learner's functions are loaded from SOURCE_FILE (with torch, dist, nn, math and
-    `extra` in scope) and `runners[EXERCISE](*functions, out)` fills a record reported under
-    the key as {"world_size", ...}. It is reported even when a function raises, with the
-    error in the record of the case that raised; the exception then propagates, so that
-    torchrun stops every rank at once instead of leaving the others waiting in a collective.
+    `extra` in scope) and `runners[EXERCISE](*functions, out, seed)` fills a record reported
+    under the key as {"world_size", ...}. `seed` picks the cases (None: the notebook's; an int:
+    the batch grader's, drawn from the instructor's seed: zero_lab/course/rank_cases/). The
+    record is reported even when a function raises, with the error in the record of the case
+    that raised; the exception then propagates, so that torchrun stops every rank at once
+    instead of leaving the others waiting in a collective.
     """
     from zero_lab.launch import init_worker, report
 
     source_file, *runs = argv
+    seed = None
+    if runs[:1] == ["--seed"]:
+        seed, runs = int(runs[1]), runs[2:]
     namespace = load_learner_code(source_file, extra)
     info = init_worker()
     for key in runs:
         exercise, names = key.split(":")
         out: dict = {"world_size": info.world_size}
         try:
-            runners[exercise](*(namespace[name] for name in names.split(",")), out)
+            runners[exercise](*(namespace[name] for name in names.split(",")), out, seed)
         finally:
             report({key: out})

@@ -11,20 +11,26 @@ notebook gave it. Two kinds:
   value with the course's reference and compares the child's answers, which come back as
   plain values of exact types. No learner code runs where a verdict is given. Points: one
   per hidden case.
-- Exercises on ranks (notebooks 02-05's launches): the child runs the exercise's check,
-  which starts 3 ranks. All or nothing, and the verdict is the check's, given in the child
-  after the learner's `def`s ran there: an open course cannot hide it from them (see the
-  README's "Grading a class"); moving these verdicts out of the child is the next step.
+- Exercises on ranks (notebooks 02-05's launches): the child starts the exercise's 3 ranks,
+  which run the learner's function on cases drawn from the same seed and report what it
+  produced (values, the collectives it issued, storage sizes); the child hands the reports
+  back unjudged, and this process judges them with the notebook's judge, which computes the
+  expected values with the course's reference here (zero_lab/course/rank_cases/). Points: one
+  per case, each judged on its own.
 
-Containment: a time limit per exercise (`--timeout` scales every exercise's own), the
-child's whole session ended at it (no process left: the launch's ranks die with their
-parent), an address-space and file-size limit (sandbox.py), and the first 4 KB of what it
+Containment: no network where the machine allows it (offline.py: a network namespace of the
+child's own, loopback only); a time limit per exercise (`--timeout` scales every exercise's
+own), the child's whole session ended at it (no process left: the launch's ranks die with
+their parent); an address-space and file-size limit (sandbox.py); the first 4 KB of what it
 printed kept. Results: grades.csv, feedback/<student>.md, gradescope/<student>/results.json
 and summary.md, in DIR.
 """
 
 from __future__ import annotations
 
+import contextlib
+import importlib
+import io
 import json
 import os
 import pickle
@@ -40,14 +46,31 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zero_lab.grading import sandbox
-from zero_lab.grading.framework import diagnose
+from zero_lab.grading.framework import ExerciseFailed, diagnose
 from zero_lab.grading.hidden import HIDDEN, Hidden
+from zero_lab.grading.offline import offline_prefix
+from zero_lab.grading.remote import HANG_HINT
 from zero_lab.grading.sandbox import ANSWERS, JOB
 from zero_lab.grading.submissions import exercise_code
 from zero_lab.launch.paths import NOTEBOOKS
 
 PRINTED_BYTES = 4096  # of a child's output, kept for the feedback
 RANK_PREAMBLE = "import math\nimport torch\nimport torch.distributed as dist\n"
+
+
+@dataclass(frozen=True)
+class OnRanks:
+    """How an exercise on ranks is started and judged (its check's own pieces)."""
+
+    exercise: str  # its RankExercise in the check's module, e.g. "SHARDED_STEP"
+    judge: str     # judge_<x>(name, reports, seed=None, cases=None) in that module
+    cases: str     # "module:function" in zero_lab.course.rank_cases: its cases for a seed
+    timeout_s: float  # the launch's limit, as the notebook's check sets it
+    hang_hint: str = ""  # the check's own hint for a launch that hangs ("": the default)
+
+    def case_count(self, seed: int) -> int:
+        module, function = self.cases.split(":")
+        return len(getattr(importlib.import_module(module), function)(seed))
 
 
 @dataclass(frozen=True)
@@ -59,29 +82,45 @@ class Exercise:
     functions: tuple[str, ...]
     preamble: str
     timeout_s: float
-    hidden: Hidden | None = None  # None: an exercise on ranks, graded by its check
-    module: str = ""  # an exercise on ranks: the module its check is in
+    hidden: Hidden | None = None  # a kernel exercise's cases
+    module: str = ""  # an exercise on ranks: the module its check and judge are in
+    ranks: OnRanks | None = None
 
 
-# Exercises whose check starts ranks (remote.py); their own checks time out at 120-180 s.
-# (check, its module in zero_lab.grading, notebook, the learner's functions)
+CASES = "zero_lab.course.rank_cases"
+# Exercises whose check starts ranks (remote.py), with the names of their pieces.
 ON_RANKS = (
     ("check_ring_reduce_scatter", "nb02_collectives", "02_collectives.ipynb",
-     ("my_ring_reduce_scatter",)),
-    ("check_owned_range", "nb03_zero1", "03_zero1.ipynb", ("owned_range",)),
-    ("check_sharded_step", "nb03_zero1", "03_zero1.ipynb", ("sharded_step",)),
-    ("check_bucket_hook", "nb04_zero2", "04_zero2.ipynb", ("on_grad_ready",)),
-    ("check_materialize_release", "nb05_zero3", "05_zero3.ipynb", ("materialize", "release")),
-    ("check_post_backward", "nb05_zero3", "05_zero3.ipynb", ("post_backward",)),
+     ("my_ring_reduce_scatter",),
+     OnRanks("RING_REDUCE_SCATTER", "judge_ring_reduce_scatter",
+             f"{CASES}.ring:ring_reduce_scatter_cases", 120.0, "RING_HANG_HINT")),
+    ("check_owned_range", "nb03_zero1", "03_zero1.ipynb", ("owned_range",),
+     OnRanks("OWNED_RANGE", "judge_owned_range", f"{CASES}.zero1_zero2:owned_range_cases",
+             180.0)),
+    ("check_sharded_step", "nb03_zero1", "03_zero1.ipynb", ("sharded_step",),
+     OnRanks("SHARDED_STEP", "judge_sharded_step", f"{CASES}.zero1_zero2:sharded_step_cases",
+             180.0)),
+    ("check_bucket_hook", "nb04_zero2", "04_zero2.ipynb", ("on_grad_ready",),
+     OnRanks("BUCKET_HOOK", "judge_bucket_hook", f"{CASES}.zero1_zero2:bucket_hook_cases",
+             180.0)),
+    ("check_materialize_release", "nb05_zero3", "05_zero3.ipynb", ("materialize", "release"),
+     OnRanks("MATERIALIZE_RELEASE", "judge_materialize_release",
+             f"{CASES}.zero3:materialize_release_cases", 180.0)),
+    ("check_post_backward", "nb05_zero3", "05_zero3.ipynb", ("post_backward",),
+     OnRanks("POST_BACKWARD", "judge_post_backward", f"{CASES}.zero3:post_backward_cases",
+             180.0)),
 )
+# The child's own limit, beyond its launch's: importing torch, the stub probe, the start-up.
+CHILD_MARGIN_S = 60.0
 
 
 def exercises() -> list[Exercise]:
     """Every graded exercise, in course order."""
     out = [Exercise(h.check, h.notebook, h.functions, h.preamble, h.timeout_s, h)
            for h in HIDDEN.values()]
-    out += [Exercise(check, nb, fns, RANK_PREAMBLE, 200.0, module=f"zero_lab.grading.{mod}")
-            for check, mod, nb, fns in ON_RANKS if check not in HIDDEN]
+    out += [Exercise(check, nb, fns, RANK_PREAMBLE, on.timeout_s + CHILD_MARGIN_S,
+                     module=f"zero_lab.grading.{mod}", ranks=on)
+            for check, mod, nb, fns, on in ON_RANKS if check not in HIDDEN]
     return sorted(out, key=lambda e: e.notebook)
 
 
@@ -110,7 +149,7 @@ def run_child(job: dict, timeout_s: float) -> tuple[list[dict], str, str, float]
         start = time.monotonic()
         with open(printed, "wb") as out:
             child = subprocess.Popen(
-                [sys.executable, sandbox.__file__, str(folder)],
+                [*offline_prefix()[0], sys.executable, sandbox.__file__, str(folder)],
                 stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                 start_new_session=True, cwd=folder, env=_child_env())
             try:
@@ -155,9 +194,9 @@ def _kill_session(child: subprocess.Popen) -> None:
 def grade_one(student: str, exercise: Exercise, submission: dict | None, course: dict,
               seed: int, timeout_scale: float) -> Graded:
     """Grade one exercise of one student's notebook."""
-    hidden = exercise.hidden
+    hidden, on = exercise.hidden, exercise.ranks
     cases = hidden.cases(random.Random(f"{seed}:{exercise.check}")) if hidden else []
-    g = Graded(student, exercise, max_points=len(cases) if hidden else 1)
+    g = Graded(student, exercise, max_points=len(cases) if hidden else on.case_count(seed))
     if submission is None:
         g.status, g.lines = "missing", [f"no readable {exercise.notebook} in the submission"]
         return g
@@ -167,16 +206,20 @@ def grade_one(student: str, exercise: Exercise, submission: dict | None, course:
         return g
     job = {"preamble": exercise.preamble, "source": found.source,
            "functions": list(exercise.functions)}
+    limit = exercise.timeout_s * timeout_scale
     if hidden:
         job["calls"] = [pickle.dumps((c.args, c.kwargs)) for c in cases]
     else:
-        job["check"] = f"{exercise.module}.{exercise.check}"
-    limit = exercise.timeout_s * timeout_scale
+        module = importlib.import_module(exercise.module)
+        hint = getattr(module, on.hang_hint) if on.hang_hint else HANG_HINT
+        job["ranks"] = {"module": exercise.module, "exercise": on.exercise, "seed": seed,
+                        "check": exercise.check, "timeout": limit - CHILD_MARGIN_S,
+                        "hang_hint": hint}
     answers, ended, printed, g.seconds = run_child(job, limit)
     if hidden:
         _judge_cases(g, cases, answers)
     else:
-        _judge_check(g, answers)
+        _judge_reports(g, answers, seed)
     if ended == "timeout":
         g.status = "timeout"
         g.lines.append(f"stopped after {limit:.0f} s (the exercise's limit); every process "
@@ -218,18 +261,36 @@ def _judge_cases(g: Graded, cases: list, answers: list[dict]) -> None:
     g.status = "pass" if g.points == g.max_points else "fail"
 
 
-def _judge_check(g: Graded, answers: list[dict]) -> None:
+def _judge_reports(g: Graded, answers: list[dict], seed: int) -> None:
+    """An exercise on ranks: its judge, here, on what the ranks reported; a point per case."""
     answer = answers[0] if answers else {}
     if "defined" in answer:
         g.lines.append(f"the cell's functions could not be defined: {answer['error']}")
-    elif answer.get("check") == "passed":
-        g.points, g.status = 1, "pass"
-    elif answer.get("not_implemented"):
+        return
+    if answer.get("not_implemented") or "not implemented yet" in answer.get("failed", ""):
         g.lines.append("not implemented yet")
         g.first_failing = "not implemented"
-    elif answer:
-        g.lines.append(answer.get("error", "failed"))
-        g.first_failing = answer.get("error", "").splitlines()[0][:80]
+        return
+    if "failed" in answer:  # the launch ended in the learner's error: a raise, a hang
+        g.lines.append(answer["failed"])
+        g.first_failing = answer["failed"].splitlines()[0][:80]
+        return
+    if "reports" not in answer:
+        return  # the child ended before the launch did: run_child's status says how
+    judge = getattr(importlib.import_module(g.exercise.module), g.exercise.ranks.judge)
+    for case in range(1, g.max_points + 1):
+        try:
+            with contextlib.redirect_stdout(io.StringIO()):  # its ✓ line: for notebooks
+                judge(g.exercise.check, answer["reports"], seed=seed, cases=[case])
+            g.points += 1
+        except ExerciseFailed as exc:
+            g.lines.append(str(exc))
+            g.first_failing = g.first_failing or f"case {case}"
+        except (KeyError, IndexError, TypeError, ValueError) as exc:  # a malformed report
+            g.lines.append(f"case {case}: the ranks' report could not be read "
+                           f"({type(exc).__name__}: {exc})")
+            g.first_failing = g.first_failing or f"case {case}"
+    g.status = "pass" if g.points == g.max_points else "fail"
 
 
 def decode(value):

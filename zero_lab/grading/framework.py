@@ -37,8 +37,13 @@ How to write a check (for course authors; put it in the module of its notebook)
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import math
+import signal
+import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -200,9 +205,13 @@ def run_cases(
         # a list) changes nothing the next case, the next check or the reference sees.
         args, kwargs = copy.deepcopy((case.args, case.kwargs))
         try:
-            got = fn(*args, **kwargs)
+            with capped_output(), time_limit(CASE_SECONDS):
+                got = fn(*args, **kwargs)
         except NotImplementedError:
             fail(name, "not implemented yet", NOT_IMPLEMENTED_HINT)
+        except TooSlow:
+            fail(name, f"{where} did not return within {CASE_SECONDS:.0f} s",
+                 "the reference takes milliseconds: look for a loop that never ends")
         except (Exception, SystemExit, KeyboardInterrupt) as exc:  # one line, no traceback
             fail(name, f"{where} raised {type(exc).__name__}: {exc}", case.hint)
         problem = diagnose(case, got, compare, wrong_answers)
@@ -210,6 +219,77 @@ def run_cases(
             detail, _, diagnosis = problem.partition("\n  hint: ")
             fail(name, f"{where}\n{detail}", diagnosis)
     passed(name, f"{len(cases)}/{len(cases)} hidden cases pass", shows)
+
+
+CASE_SECONDS = 10.0  # a case of an exercise in the kernel: the references take milliseconds
+
+
+class TooSlow(BaseException):
+    """A learner's call ran past its `time_limit`. Not an Exception, so that a learner's
+    `except Exception:` does not swallow it; the timer fires again every second anyway."""
+
+
+@contextlib.contextmanager
+def time_limit(seconds: float):
+    """Raise TooSlow in this (main) thread after `seconds` (a `while True` hung the kernel with
+    no message); in another thread, where no signal can reach it, no limit."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expire(signum, frame):
+        raise TooSlow
+
+    previous = signal.signal(signal.SIGALRM, expire)
+    signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+PRINTED_CHARS = 2000  # what a learner's function may print per call, in the notebook
+
+
+class _Capped(io.TextIOBase):
+    """A stream that passes the first `limit` characters on to `to` and counts the rest."""
+
+    def __init__(self, to, limit: int) -> None:
+        self.to, self.left, self.dropped = to, limit, 0
+
+    def write(self, text: str) -> int:
+        shown = text[:max(self.left, 0)]
+        if shown:
+            self.to.write(shown)
+        self.left -= len(shown)
+        self.dropped += len(text) - len(shown)
+        return len(text)
+
+    def flush(self) -> None:
+        self.to.flush()
+
+
+@contextlib.contextmanager
+def capped_output(limit: int = PRINTED_CHARS):
+    """What the learner's function prints, cut after `limit` characters (stdout and stderr
+    together): a debugging print in a loop made an 80 MB notebook. The cut is said."""
+    out = sys.stdout
+    capped = _Capped(out, limit)
+    with contextlib.redirect_stdout(capped), contextlib.redirect_stderr(capped):
+        try:
+            yield
+        finally:
+            if capped.dropped:
+                out.write(f"\n... ({capped.dropped:,} more characters printed, not shown)\n")
+
+
+def short_repr(value: Any, limit: int = 600) -> str:
+    """repr(value), cut in the middle past `limit` characters (a message stays readable)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit // 2]} ...({len(text) - limit:,} characters)... {text[-limit // 2:]}"
 
 
 def diagnose(case: Case, got: Any, compare: Callable[[Any, Any], bool] = same,
@@ -226,7 +306,7 @@ def diagnose(case: Case, got: Any, compare: Callable[[Any, Any], bool] = same,
         except Exception:  # a mistake model that does not apply to this case
             continue
     diagnosis = "\n  or: ".join(known) if known else case.hint
-    detail = f"  expected: {case.expected!r}\n  got:      {got!r}"
+    detail = f"  expected: {short_repr(case.expected)}\n  got:      {short_repr(got)}"
     if isinstance(case.expected, float) or isinstance(got, float):
         gap = describe_difference(case.expected, got)
         detail += f"\n  difference: {gap}" if gap else ""

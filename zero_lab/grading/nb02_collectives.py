@@ -1,8 +1,11 @@
 """Notebook 02's checks: the ring reduce-scatter on 3 ranks, and what a ring sends.
 
 `check_ring_reduce_scatter` runs the learner's ring, built from isend/irecv, on 3 gloo ranks
-(zero_lab/workers/ring_exercise.py) next to `dist.reduce_scatter_single`; the ranks report
-values, the collectives issued and the bytes sent, and `judge_ring_reduce_scatter` decides.
+(zero_lab/workers/ring_exercise.py); the ranks report the raw facts (the output's and the
+input's values, the operations issued, the bytes sent) and `judge_ring_reduce_scatter`, in
+this process where the learner's code does not run, rebuilds every rank's input from the same
+cases (zero_lab/course/rank_cases/ring.py), sums them and decides. The reports are untrusted
+data: anything malformed fails the check with a message, never crashes the judge.
 `check_ring_bytes_sent` is plain input -> output against `zero_lab.collectives`; its cases
 come from `ring_bytes_sent_cases(rng)` (rng None: the notebook's; a `random.Random`: drawn
 ops, sizes and world sizes, for the batch grader, grading/hidden.py).
@@ -10,9 +13,19 @@ ops, sizes and world sizes, for the batch grader, grading/hidden.py).
 
 from __future__ import annotations
 
+import contextlib
+import math
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from zero_lab.course.rank_cases.ring import (
+    OUTPUT_FILL,
+    TOLERANCE,
+    RingCase,
+    rank_inputs,
+    reduce_scatter_sum,
+    ring_reduce_scatter_cases,
+)
 from zero_lab.grading.framework import Case, fail, passed, run_cases
 from zero_lab.grading.remote import RankExercise, run_exercise
 
@@ -28,6 +41,8 @@ RING_REDUCE_SCATTER = RankExercise("ring_exercise.py", "ring_reduce_scatter", _r
 RING_HANG_HINT = ("a rank is waiting for a message no rank sends. Post the step's isend AND "
                   "irecv before waiting on either; send to (rank + 1) % N, receive from "
                   "(rank - 1) % N; every rank must run the same number of steps (N - 1)")
+ELEMENT_BYTES = {"int64": 8, "float32": 4, "float64": 8}
+SHOWN = 6  # the first values a failure shows, expected against got
 
 
 def check_ring_reduce_scatter(fn: Callable, timeout: float = 120.0) -> None:
@@ -35,49 +50,135 @@ def check_ring_reduce_scatter(fn: Callable, timeout: float = 120.0) -> None:
 
     Runs the learner's function (from its source) on 3 ranks under gloo, with chunk sizes 1,
     5, 7, 1001 and a 2-D output (zero_lab/workers/ring_exercise.py), and compares every
-    rank's output with `dist.reduce_scatter_single`. The ledger must show no collective and
-    exactly (N-1)/N of the input sent; the input must be left unchanged.
+    rank's output with the sum of every rank's input chunk, computed here. The ledger must
+    show no collective and exactly (N-1)/N of the input sent; the input must be left unchanged.
     """
     name = "check_ring_reduce_scatter"
     reports = run_exercise(name, RING_REDUCE_SCATTER, [fn], timeout, RING_HANG_HINT)
     judge_ring_reduce_scatter(name, reports)
 
 
-def judge_ring_reduce_scatter(name: str, reports: list[dict]) -> None:
-    """The verdict on every rank's report: no collective, input intact, values, bytes sent."""
-    cases = reports[0]["results"]
-    nproc = reports[0]["world_size"]
+def judge_ring_reduce_scatter(name: str, reports: list[dict], seed: int | None = None,
+                              cases: Sequence[int] | None = None) -> None:
+    """The verdict on every rank's report: no collective, input intact, values, bytes sent.
+
+    `seed` picks the cases the ranks ran (None: the notebook's); `cases`, the 1-based numbers
+    of those to judge (None: all of them; the batch grader judges one at a time, a point each).
+    """
+    all_cases = ring_reduce_scatter_cases(seed)
+    numbers = range(1, len(all_cases) + 1) if cases is None else list(cases)
+    for k in numbers:
+        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(all_cases):
+            fail(name, f"there is no case {k!r}: the cases are 1 to {len(all_cases)}")
+    n = _world_size(name, reports)
+    inputs = [rank_inputs(all_cases, rank, n) for rank in range(n)]  # all: they share draws
     for rank, report in enumerate(reports):
-        for case in report["results"]:
-            where = f"case {case['case']}/{len(cases)} ({case['label']}), rank {rank}"
-            if case["collectives"]:
-                fail(name, f"{where}: your function called {', '.join(case['collectives'])}",
-                     "build it from dist.isend / dist.irecv only: the point is to see how "
-                     "torch's collective works inside")
-            if case["input_modified"]:
-                fail(name, f"{where}: `input` was modified",
-                     "accumulate partial sums in a copy (input.clone()), as torch does")
-            if not case["ok"]:
-                detail = (f"{where}\n  expected (first values): {case['expected']}"
-                          f"\n  got:                     {case['got']}")
-                if case["got"] == case["own_chunk"]:
-                    hint = ("this rank kept its own chunk r without the other ranks' "
-                            "contributions: at each step add the incoming chunk to yours")
-                elif case["got"][:1] == [-7] or case["got"][:1] == [-7.0]:
-                    hint = "output was never written: copy the finished chunk into it"
-                else:
-                    hint = ("step s: send chunk (rank - s - 1) % N to the right, receive chunk "
-                            "(rank - s - 2) % N from the left and add it; after N - 1 steps "
-                            "chunk `rank` holds the full sum")
-                fail(name, detail, hint)
-            if case["sent_bytes"] != case["expected_sent_bytes"]:
-                fail(name, f"{where}: right values, but this rank sent {case['sent_bytes']:.0f} "
-                           f"bytes; the ring sends exactly (N-1)/N of the input = "
-                           f"{case['expected_sent_bytes']} bytes",
-                     "send one chunk (input.numel() / N elements) per step, N - 1 steps")
-    passed(name, f"{len(cases)}/{len(cases)} cases pass on {nproc} ranks: dist's result, "
-                 "isend/irecv only, (N-1)/N of it sent",
+        for k in numbers:
+            case = all_cases[k - 1]
+            where = f"case {k}/{len(all_cases)} ({case.label(n)}), rank {rank}"
+            record = _record(name, report, k, where)
+            with _readable(name, where):
+                _judge_case(name, where, case, n, rank, record, [x[k - 1] for x in inputs])
+    judged = (f"{len(all_cases)}/{len(all_cases)} cases" if len(numbers) == len(all_cases)
+              else f"case {', '.join(map(str, numbers))} of {len(all_cases)}")
+    passed(name, f"{judged} pass on {n} ranks: dist's result, isend/irecv only, (N-1)/N of "
+                 "it sent",
            "you can build a reduce-scatter from sends alone: N-1 steps of 1/N of the input")
+
+
+def _judge_case(name: str, where: str, case: RingCase, n: int, rank: int, record: dict,
+                inputs: list) -> None:
+    """One rank's record of one case against the sum computed here, at the first problem."""
+    ops = record["ops"]
+    if not isinstance(ops, list):
+        raise TypeError("the operations are not a list")
+    collectives = sorted({str(op) for op in ops} - {"send", "recv"})
+    if collectives:
+        fail(name, f"{where}: your function called {', '.join(collectives)}",
+             "build it from dist.isend / dist.irecv only: the point is to see how "
+             "torch's collective works inside")
+    if _numbers(record["input_after"]) != inputs[rank].reshape(-1).double().tolist():
+        fail(name, f"{where}: `input` was modified",
+             "accumulate partial sums in a copy (input.clone()), as torch does")
+    got, expected = _numbers(record["output"]), reduce_scatter_sum(inputs, rank)
+    tol = TOLERANCE[case.dtype]
+    if not _close(got, expected, tol):
+        detail = (f"{where}\n  expected (first values): {_shown(expected, case)}"
+                  f"\n  got:                     {_shown(got, case)}")
+        own = inputs[rank].double().reshape(n, -1)[rank].tolist()
+        if _close(got, own, tol):
+            hint = ("this rank kept its own chunk r without the other ranks' "
+                    "contributions: at each step add the incoming chunk to yours")
+        elif got and all(v == OUTPUT_FILL for v in got):
+            hint = "output was never written: copy the finished chunk into it"
+        else:
+            hint = ("step s: send chunk (rank - s - 1) % N to the right, receive chunk "
+                    "(rank - s - 2) % N from the left and add it; after N - 1 steps "
+                    "chunk `rank` holds the full sum")
+        fail(name, detail, hint)
+    sent = float(record["sent_bytes"])
+    expected_sent = (n - 1) * case.numel * ELEMENT_BYTES[case.dtype]
+    if sent != expected_sent:
+        fail(name, f"{where}: right values, but this rank sent {sent:.0f} bytes; the ring "
+                   f"sends exactly (N-1)/N of the input = {expected_sent} bytes",
+             "send one chunk (input.numel() / N elements) per step, N - 1 steps")
+
+
+# Reading the reports: plain Python on plain values, no comparison a learner could replace.
+
+
+def _numbers(value) -> list[float]:
+    """A reported flat list of numbers, as floats; ValueError for anything else."""
+    if not isinstance(value, list):
+        raise ValueError(f"not a list of numbers: {str(value)[:40]!r}")
+    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in value):
+        raise ValueError("a value that is not a number")
+    return [float(v) for v in value]
+
+
+def _close(got: list[float], expected: list[float], tol: float) -> bool:
+    """Every value within tol (absolute and relative) of its expected one; NaN never is."""
+    return len(got) == len(expected) and all(
+        math.isclose(g, e, rel_tol=tol, abs_tol=tol) for g, e in zip(got, expected, strict=True))
+
+
+def _shown(values: list[float], case: RingCase) -> list:
+    """The first values, as the dtype prints them (ints for int64)."""
+    first = values[:SHOWN]
+    return [int(v) if case.dtype == "int64" and v.is_integer() else v for v in first]
+
+
+def _world_size(name: str, reports) -> int:
+    with _readable(name, "the launch"):
+        n = int(reports[0]["world_size"])
+        if n < 2 or len(reports) != n:
+            raise ValueError(f"{len(reports)} reports for {n} ranks")
+    return n
+
+
+def _record(name: str, report, k: int, where: str) -> dict:
+    """The rank's record of case k; the check fails where the rank did not report it."""
+    results = report.get("results") if isinstance(report, dict) else None
+    found = [r for r in results if isinstance(r, dict) and r.get("case") == k] if (
+        isinstance(results, list)) else []
+    if not found:
+        fail(name, f"{where}: the rank reported nothing for this case",
+             "run the check again; if it repeats, the ranks stopped before this case")
+    error = found[0].get("error")
+    if error is not None:
+        fail(name, f"{where} raised: {str(error)[:300]}")
+    return found[0]
+
+
+@contextlib.contextmanager
+def _readable(name: str, where: str):
+    """A report that is not what the rank script writes fails the check, with its place."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as exc:
+        fail(name, f"{where}: the ranks' report could not be read ({type(exc).__name__}: "
+                   f"{str(exc)[:80]})",
+             "run the check again; if it repeats, the report was changed on its way here")
 
 
 RING_HINTS = {

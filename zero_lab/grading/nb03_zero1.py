@@ -1,15 +1,31 @@
 """Notebook 03's checks: ZeRO stage 1's owned slice and sharded step, on 3 ranks.
 
 The learner's function runs inside a real process group: its source is written to a file
-and zero_lab/workers/zero1_zero2_exercises.py runs it on every rank (gloo, CPU), next to the
-reference. The ranks report facts (values, the collectives issued and their bytes); the
-judges here decide the verdict and the hint.
+and zero_lab/workers/zero1_zero2_exercises.py runs it on every rank (gloo, CPU). The ranks
+report what it produced (values, the collectives issued and their bytes); the judges here
+rebuild the same cases (zero_lab/course/rank_cases/zero1_zero2.py), compute the expected
+values with the reference in this process, and decide the verdict and the hint. Nothing on
+the ranks compares: the learner's code runs there and could change what compares.
+
+A judge takes the cases' `seed` (None: the notebook's) and `cases`, the 1-based numbers of
+the cases to judge (None: all; the batch grader judges one case at a time, a point each).
+What a rank reported is read as untrusted data: a malformed report fails the check.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Any
 
+import torch
+
+from zero_lab.course.rank_cases.zero1_zero2 import (
+    GATHERED_REPORTED,
+    one_process_steps,
+    owned_range,
+    owned_range_cases,
+    sharded_step_cases,
+)
 from zero_lab.grading.framework import (
     NOT_IMPLEMENTED_HINT,
     SUMMED_NOT_AVERAGED_HINT,
@@ -19,6 +35,8 @@ from zero_lab.grading.framework import (
     passed,
 )
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
+
+RTOL, ATOL = 1e-9, 1e-12  # float64 throughout: a sharded step differs in rounding only
 
 
 def _sharded_step_probe() -> tuple:
@@ -34,6 +52,76 @@ OWNED_RANGE = RankExercise("zero1_zero2_exercises.py", "owned_range", lambda: (1
 SHARDED_STEP = RankExercise("zero1_zero2_exercises.py", "sharded_step", _sharded_step_probe)
 
 
+# --------------------------------------------------------------- reading the ranks' reports
+
+
+def chosen_cases(name: str, all_cases: list, cases: Sequence[int] | None) -> list[tuple]:
+    """(number, case) for the 1-based case numbers asked for (None: every case)."""
+    numbers = range(1, len(all_cases) + 1) if cases is None else cases
+    chosen = []
+    for k in numbers:
+        if not 1 <= k <= len(all_cases):
+            fail(name, f"there is no case {k} (1 to {len(all_cases)})")
+        chosen.append((k, all_cases[k - 1]))
+    return chosen
+
+
+def unreadable(name: str, where: str, what: str) -> None:
+    fail(name, f"{where}: the ranks' report could not be read ({what})",
+         "the function must leave the objects it receives usable (the right types and sizes)")
+
+
+def case_record(name: str, reports: list, rank: int, k: int, where: str) -> dict:
+    """Rank `rank`'s record of case k (`where` names it); a missing one fails, as does one
+    with the error the function raised."""
+    report = reports[rank] if rank < len(reports) else None
+    results = report.get("results") if isinstance(report, dict) else None
+    found = [r for r in results if isinstance(r, dict) and r.get("case") == k] \
+        if isinstance(results, list) else []
+    if len(found) != 1:
+        fail(name, f"{where}: rank {rank} did not report this case",
+             "the ranks stopped before this case: look for an error or an early exit")
+    record = found[0]
+    if record.get("error"):
+        error = record["error"]
+        text = (f"{error.get('type')}: {error.get('message')}" if isinstance(error, dict)
+                else str(error))
+        if text.startswith("NotImplementedError"):
+            fail(name, "not implemented yet", NOT_IMPLEMENTED_HINT)
+        fail(name, f"{where}: rank {rank} raised {text}")
+    return record
+
+
+def as_floats(name: str, where: str, value: Any, length: int, what: str) -> torch.Tensor:
+    """A reported list of `length` numbers, as float64 (fails on anything else)."""
+    if not isinstance(value, list) or len(value) != length or not all(
+            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        unreadable(name, where, f"{what}: expected {length} numbers")
+    return torch.tensor(value, dtype=torch.float64)
+
+
+def as_count(name: str, where: str, value: Any, what: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        unreadable(name, where, f"{what}: expected a count, got {str(value)[:40]}")
+    return value
+
+
+def as_comm(name: str, where: str, value: Any) -> list[dict]:
+    """The collectives a rank's ledger saw: [{"op", "nbytes", "in_backward"}, ...]."""
+    if not isinstance(value, list):
+        unreadable(name, where, "the collectives issued")
+    comm = []
+    for c in value:
+        if not (isinstance(c, dict) and isinstance(c.get("op"), str)
+                and isinstance(c.get("nbytes"), int) and isinstance(c.get("in_backward"), bool)):
+            unreadable(name, where, "the collectives issued")
+        comm.append({"op": c["op"], "nbytes": c["nbytes"], "in_backward": c["in_backward"]})
+    return comm
+
+
+# --------------------------------------------------------------------------- owned range
+
+
 def check_owned_range(fn: Callable) -> None:
     """Notebook 03: fn(numel, world_size, rank) -> (start, end) of the slice `rank` owns.
 
@@ -45,23 +133,28 @@ def check_owned_range(fn: Callable) -> None:
     judge_owned_range(name, run_exercise(name, OWNED_RANGE, [fn]))
 
 
-def judge_owned_range(name: str, reports: list[dict]) -> None:
-    """The verdict on rank 0's report of every rank's slice: equal, contiguous, covering."""
-    report = reports[0]  # rank 0 gathered every rank's answers
-    n = report["world_size"]
-    for i, case in enumerate(report["cases"], start=1):
-        numel, answers = case["numel"], case["answers"]
+def _owned_answer(name: str, where: str, rank: int, value: Any) -> list[int]:
+    if not (isinstance(value, list) and len(value) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) for v in value)):
+        unreadable(name, where, f"rank {rank}'s (start, end)")
+    return value
+
+
+def judge_owned_range(name: str, reports: list[dict], seed: int | None = None,
+                      cases: Sequence[int] | None = None) -> None:
+    """The verdict on every rank's slice: equal, contiguous, covering; then the all-gather."""
+    n = len(reports)
+    all_cases = owned_range_cases(seed)
+    for k, case in chosen_cases(name, all_cases, cases):
+        numel = case.numel
+        where = f"case {k}/{len(all_cases)} ({case.label(n)})"
+        records = [case_record(name, reports, rank, k, where) for rank in range(n)]
         size = -(-numel // n)
-        expected = [[r * size, (r + 1) * size] for r in range(n)]
-        got = [a["got"] for a in answers]
-        where = f"case {i}/{len(report['cases'])} (numel={numel}, world_size={n})"
-        for rank, a in enumerate(answers):
-            if a["error"]:
-                if a["error"].startswith("NotImplementedError"):
-                    fail(name, "not implemented yet", NOT_IMPLEMENTED_HINT)
-                fail(name, f"{where}: rank {rank} raised {a['error']}")
+        expected = [list(owned_range(numel, n, r)) for r in range(n)]
+        got = [_owned_answer(name, where, rank, r.get("got")) for rank, r in enumerate(records)]
         if got == expected:
-            if not case["roundtrip"]:
+            data = [float(i) for i in range(1, numel + 1)]
+            if numel <= GATHERED_REPORTED and any(r.get("gathered") != data for r in records):
                 fail(name, f"{where}: the all-gather of the owned slices did not rebuild "
                            "the buffer", "each rank must send exactly its own elements")
             continue
@@ -82,8 +175,12 @@ def judge_owned_range(name: str, reports: list[dict]) -> None:
         else:
             hint = "rank r's slice starts at r·S: the slices are contiguous and in rank order"
         fail(name, detail, hint)
-    passed(name, f"{len(report['cases'])}/{len(report['cases'])} buffer sizes pass on {n} ranks",
-           "you can pad a flat buffer and split it into the equal slices the ranks own")
+    if cases is None:
+        passed(name, f"{len(all_cases)}/{len(all_cases)} buffer sizes pass on {n} ranks",
+               "you can pad a flat buffer and split it into the equal slices the ranks own")
+
+
+# --------------------------------------------------------------------------- sharded step
 
 
 def check_sharded_step(fn: Callable) -> None:
@@ -100,11 +197,59 @@ def check_sharded_step(fn: Callable) -> None:
     judge_sharded_step(name, run_exercise(name, SHARDED_STEP, [fn]))
 
 
-def judge_sharded_step(name: str, reports: list[dict]) -> None:
+def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
+    return bool(torch.allclose(got, expected, rtol=RTOL, atol=ATOL))
+
+
+def _sharded_step_verdicts(name: str, reports: list, k: int, case, n: int) -> list[tuple]:
+    """(rank, facts) for case k on every rank, at the first step whose values are wrong (or
+    the last step): the facts today's verdict reads, from the values the rank reported."""
+    numel, shard = case.numel, -(-case.numel // n)
+    padded = shard * n
+    averaged, summed = one_process_steps(case, n), one_process_steps(case, n, average=False)
+    start = torch.zeros(padded, dtype=torch.float64)
+    start[:numel] = case.init()
+    label = case.label(n)
+    verdicts = []
+    for rank in range(n):
+        record = case_record(name, reports, rank, k, f"case {k} ({label})")
+        steps = record.get("steps")
+        if not isinstance(steps, list) or len(steps) != case.steps or not all(
+                isinstance(s, dict) for s in steps):
+            unreadable(name, f"case {k} ({label}), rank {rank}", f"{case.steps} steps")
+        before = start
+        for step, (reported, ref, ref_sum) in enumerate(zip(steps, averaged, summed,
+                                                            strict=True), start=1):
+            at = f"case {k} ({label}), step {step}, rank {rank}"
+            got = as_floats(name, at, reported.get("flat_param"), padded, "flat_param")
+            state = reported.get("state_numels")
+            if not isinstance(state, list):
+                unreadable(name, at, "the optimizer's state sizes")
+            facts = {
+                "case": k, "label": label, "step": step, "padded": padded, "shard": shard,
+                "match": _close(got[:numel], ref),
+                "match_if_summed": _close(got[:numel], ref_sum),
+                "own_slice_match": _close(got[rank * shard:min((rank + 1) * shard, numel)],
+                                          ref[rank * shard:(rank + 1) * shard]),
+                "unchanged": bool(torch.equal(got, before)),
+                "expected": ref[:4].tolist(), "got": got[:4].tolist(),
+                "comm": as_comm(name, at, reported.get("comm")),
+                "state_numels": [as_count(name, at, v, "a state size") for v in state],
+            }
+            before = got
+            if not facts["match"]:
+                break  # the first wrong step is the one to show
+        verdicts.append((rank, facts))
+    return verdicts
+
+
+def judge_sharded_step(name: str, reports: list[dict], seed: int | None = None,
+                       cases: Sequence[int] | None = None) -> None:
     """The verdict on every rank's steps: one process's values, then 2Ψ sent, no more."""
-    n = reports[0]["world_size"]
-    records = [(rank, record) for rank, report in enumerate(reports)
-               for record in report["results"]]
+    n = len(reports)
+    all_cases = sharded_step_cases(seed)
+    records = [verdict for k, case in chosen_cases(name, all_cases, cases)
+               for verdict in _sharded_step_verdicts(name, reports, k, case, n)]
 
     def where(rank: int, record: dict) -> str:
         return f"case {record['case']} ({record['label']}), step {record['step']}, rank {rank}"
@@ -118,7 +263,7 @@ def judge_sharded_step(name: str, reports: list[dict]) -> None:
     if wrong:
         # Show the case where the values are furthest apart. Adam divides by the gradient's
         # size, so a gradient N times too large (summed, not averaged) moves Adam's values
-        # by ~1e-10 only: SGD's case shows that mistake plainly.
+        # by ~1e-8 only: SGD's case shows that mistake plainly.
         rank, record = max(wrong, key=lambda w: (
             largest_difference(w[1]["expected"], w[1]["got"]) or (0.0, 0.0))[1])
         detail = (f"{where(rank, record)}: flat_param differs from one process stepping on "
@@ -157,6 +302,8 @@ def judge_sharded_step(name: str, reports: list[dict]) -> None:
             fail(name, f"{at}: optimizer state tensors have {record['state_numels']} "
                        f"elements; expected {record['shard']} (this rank's slice)",
                  "step only shard_param")
-    cases = len(reports[0]["results"])
-    passed(name, f"{cases}/{cases} cases pass on {n} ranks: same values as one process, 2Ψ sent",
-           "you wrote stage 1: reduce-scatter, step your slice, all-gather, the bytes of DDP")
+    if cases is None:
+        total = len(all_cases)
+        passed(name, f"{total}/{total} cases pass on {n} ranks: same values as one process, "
+                     "2Ψ sent",
+               "you wrote stage 1: reduce-scatter, step your slice, all-gather, the bytes of DDP")

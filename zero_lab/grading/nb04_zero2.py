@@ -2,15 +2,31 @@
 
 Run like notebook 03's checks, by zero_lab/workers/zero1_zero2_exercises.py: the hook is
 installed on every parameter of a small model with odd-sized buckets, backward runs twice,
-and the ranks report the slices, the gradients left behind and the reduce-scatters issued.
+and the ranks report the slices they hold, the gradients left behind and the reduce-scatters
+issued. The judge computes the model's gradient on the global batch here, in one process
+(zero_lab/course/rank_cases/zero1_zero2.py), and compares: nothing on the ranks does.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+import torch
+
+from zero_lab.course.rank_cases.zero1_zero2 import bucket_hook_cases, global_batch_grads
 from zero_lab.grading.framework import fail, passed
+from zero_lab.grading.nb03_zero1 import (
+    ATOL,
+    RTOL,
+    as_comm,
+    as_count,
+    as_floats,
+    case_record,
+    chosen_cases,
+    unreadable,
+)
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
+from zero_lab.stages.partition import FlatParamGroup, bucket_parameters
 
 
 def _bucket_hook_probe() -> tuple:
@@ -41,15 +57,33 @@ def check_bucket_hook(fn: Callable) -> None:
     judge_bucket_hook(name, run_exercise(name, BUCKET_HOOK, [fn]))
 
 
-def judge_bucket_hook(name: str, reports: list[dict]) -> None:
+def _expected_slices(case, n: int) -> tuple[int, list[int], list[list[torch.Tensor]]]:
+    """The case's parameter count, its buckets' padded bytes, and each rank's slice of each
+    bucket's averaged gradient: the same layout as the ranks', from one process's gradient."""
+    named = list(case.model().named_parameters())
+    layout = bucket_parameters(named[::-1], case.bucket_bytes, element_size=8)
+    grads = global_batch_grads(case, n)
+    groups = [FlatParamGroup([p for _, p in names[::-1]], n, 0) for names in layout]
+    fulls = [g.flatten([grads[name] for name, _ in names[::-1]])
+             for g, names in zip(groups, layout, strict=True)]
+    slices = [[g.shard(full, rank) for g, full in zip(groups, fulls, strict=True)]
+              for rank in range(n)]
+    return len(named), [g.padded_numel * 8 for g in groups], slices
+
+
+def judge_bucket_hook(name: str, reports: list[dict], seed: int | None = None,
+                      cases: Sequence[int] | None = None) -> None:
     """The verdict on every rank's layouts: one reduce-scatter per bucket, grads freed, slices."""
-    n = reports[0]["world_size"]
-    for rank, report in enumerate(reports):
-        for record in report["results"]:
-            where = f"case {record['case']} ({record['label']}), rank {rank}"
-            comm = [c for c in record["comm"] if c["op"] != "barrier"]
+    n = len(reports)
+    all_cases = bucket_hook_cases(seed)
+    chosen = [(k, case, _expected_slices(case, n))
+              for k, case in chosen_cases(name, all_cases, cases)]
+    for rank in range(n):
+        for k, case, (params, expected_sizes, slices) in chosen:
+            where = f"case {k} ({case.label(len(expected_sizes))}), rank {rank}"
+            record = case_record(name, reports, rank, k, where)
+            comm = [c for c in as_comm(name, where, record.get("comm")) if c["op"] != "barrier"]
             rs = [c for c in comm if c["op"] == "reduce_scatter"]
-            expected_sizes = record["bucket_padded_bytes"]
             if any(c["op"] == "all_reduce" for c in comm):
                 fail(name, f"{where}: you sent {comm_summary(comm)}",
                      "stage 2 never all-reduces gradients: a reduce-scatter (Ψ) gives each "
@@ -62,35 +96,48 @@ def judge_bucket_hook(name: str, reports: list[dict]) -> None:
                      "'reduce-scatter'): that sends N times the bytes and briefly holds N "
                      "copies in memory. Reduce-scatter the bucket's flat buffer itself: each "
                      "rank contributes its own full gradient, and receives its slice")
-            if len(rs) != len(expected_sizes) * 2 or not all(c["in_backward"] for c in rs):
+            calls = len(expected_sizes) * case.backwards
+            if len(rs) != calls or not all(c["in_backward"] for c in rs):
                 fail(name, f"{where}: expected one reduce_scatter per bucket per backward "
-                           f"({len(expected_sizes)} buckets x 2 backward calls), during "
-                           f"backward; got {len(rs)}: {comm_summary(rs)}",
+                           f"({len(expected_sizes)} buckets x {case.backwards} backward "
+                           f"calls), during backward; got {len(rs)}: {comm_summary(rs)}",
                      "send a bucket once, when its last gradient has arrived "
                      "(bucket.arrived == len(bucket.group.params)), then reset arrived")
-            if sorted(c["nbytes"] for c in rs) != sorted(expected_sizes * 2):
+            if sorted(c["nbytes"] for c in rs) != sorted(expected_sizes * case.backwards):
                 fail(name, f"{where}: reduce-scatter sizes {[c['nbytes'] for c in rs]}; "
                            f"expected the padded buckets {expected_sizes}",
                      "reduce-scatter bucket.full (N·S elements) into a buffer of S elements")
-            if record["grads_kept"]:
-                fail(name, f"{where}: after backward {record['grads_kept']} of "
-                           f"{record['params']} parameters still hold a full .grad "
-                           f"({record['grads_kept_bytes']} bytes)",
+            kept = as_count(name, where, record.get("grads_kept"), "gradients kept")
+            if kept:
+                kept_bytes = as_count(name, where, record.get("grads_kept_bytes"), "their bytes")
+                fail(name, f"{where}: after backward {kept} of {params} parameters still "
+                           f"hold a full .grad ({kept_bytes} bytes)",
                      "set param.grad = None once it is copied into the bucket. Returning "
                      "None from a hook discards nothing (the ZeRO blog post's mistake): a hook's "
                      "return value None means 'leave the gradient as it is'. The kept "
                      "gradient also spoils accumulation: the next backward adds to it, so "
                      "the bucket receives the earlier gradient twice")
-            if not record["match"]:
+            owned = record.get("owned_grads")
+            if not isinstance(owned, list) or len(owned) != len(slices[rank]):
+                unreadable(name, where, f"{len(slices[rank])} buckets' owned_grad")
+            matches, max_err = [], 0.0
+            for i, (values, expected) in enumerate(zip(owned, slices[rank], strict=True)):
+                got = as_floats(name, where, values, expected.numel(),
+                                f"bucket {i}'s owned_grad (this rank's slice)")
+                max_err = max(max_err, float((got - expected).abs().max()))
+                matches.append(bool(torch.allclose(got, expected, rtol=RTOL, atol=ATOL)))
+            if not all(matches):
                 fail(name, f"{where}: owned_grad differs from this rank's slice of the "
-                           f"averaged gradient (largest error {record['max_abs_error']:.3g})",
+                           f"averaged gradient (largest error {max_err:.3g})",
                      "average across ranks (op=dist.ReduceOp.AVG) and ADD the slice to "
                      "bucket.owned_grad (+=): the second backward call accumulates")
-            if record["full_left"]:
-                fail(name, f"{where}: {record['full_left']} bucket(s) still hold their full "
+            full_left = as_count(name, where, record.get("full_left"), "full buffers left")
+            if full_left:
+                fail(name, f"{where}: {full_left} bucket(s) still hold their full "
                            "gradient buffer after backward",
                      "set bucket.full = None once its reduce-scatter is done")
-    cases = len(reports[0]["results"])
-    passed(name, f"{cases}/{cases} layouts pass on {n} ranks: right slices, gradients freed, "
-                 "one reduce-scatter a bucket",
-           "you wrote stage 2's core: a gradient leaves for its owner once its bucket fills")
+    if cases is None:
+        total = len(all_cases)
+        passed(name, f"{total}/{total} layouts pass on {n} ranks: right slices, gradients "
+                     "freed, one reduce-scatter a bucket",
+               "you wrote stage 2's core: a gradient leaves for its owner once its bucket fills")

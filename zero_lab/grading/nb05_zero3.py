@@ -2,15 +2,32 @@
 
 The learner's functions run inside a real process group, as for notebooks 03 and 04, here
 started through zero_lab/workers/zero3_exercises.py (which also provides free_storage and
-allocate_storage to them). The ranks report facts; the judges here decide verdicts and hints.
+allocate_storage to them). The ranks report raw facts (values as lists, collectives, storage
+bytes and addresses, shapes); the judges here compute the expected values from the same cases
+(zero_lab/course/rank_cases/zero3.py) in this process, where the learner's code does not run,
+and decide verdicts and hints. The reports are untrusted data: anything malformed fails the
+check with a message, never crashes the judge.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import contextlib
+from collections.abc import Callable, Sequence
 
+from zero_lab.course.rank_cases.zero3 import (
+    UnitCase,
+    build_module,
+    flat,
+    materialize_release_cases,
+    post_backward_cases,
+    reduced_slices,
+    reference_gradients,
+    shard_numel,
+)
 from zero_lab.grading.framework import SUMMED_NOT_AVERAGED_HINT, fail, first_values_differ, passed
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
+
+RTOL, ATOL = 1e-10, 1e-12  # float64 all the way: only the order of additions differs
 
 
 def _probe_unit():
@@ -38,6 +55,92 @@ MATERIALIZE_RELEASE = RankExercise("zero3_exercises.py", "materialize_release",
 POST_BACKWARD = RankExercise("zero3_exercises.py", "post_backward", lambda: (_probe_unit(),))
 
 
+# ------------------------------------------------------------------ reading the reports
+# Plain Python on plain values: no torch comparison a learner's code could have replaced.
+
+
+def _floats(value) -> list[float]:
+    """A reported number or (nested) list of numbers, flat, as floats; ValueError otherwise."""
+    if isinstance(value, list):
+        return [x for v in value for x in _floats(v)]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"not a number: {str(value)[:40]!r}")
+    return [float(value)]
+
+
+def _ints(value) -> list[int]:
+    """A reported shape (a list of ints); ValueError otherwise."""
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int)
+                                          for v in value):
+        raise ValueError(f"not a list of ints: {str(value)[:40]!r}")
+    return list(value)
+
+
+def _comm(value) -> list[dict]:
+    """The reported collectives, as {"op": str, "nbytes": int}."""
+    if not isinstance(value, list):
+        raise ValueError("the collectives are not a list")
+    return [{"op": str(c["op"]), "nbytes": int(c["nbytes"])} for c in value]
+
+
+def _close(got: list[float], expected: list[float]) -> bool:
+    return len(got) == len(expected) and all(
+        abs(g - e) <= ATOL + RTOL * abs(e) for g, e in zip(got, expected, strict=True))
+
+
+@contextlib.contextmanager
+def _readable(name: str, where: str):
+    """A report that is not what the rank script writes fails the check, with its place."""
+    try:
+        yield
+    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError,
+            RecursionError) as exc:
+        fail(name, f"{where}: the ranks' report could not be read ({type(exc).__name__}: "
+                   f"{str(exc)[:80]})", "run the check again; if it repeats, the report was "
+                                        "changed on its way here")
+
+
+def _world(name: str, reports: list) -> int:
+    with _readable(name, "the launch"):
+        n = int(reports[0]["world_size"])
+        if n < 1 or len(reports) != n:
+            raise ValueError(f"{len(reports)} reports for {n} ranks")
+    return n
+
+
+def _chosen(name: str, all_cases: list[UnitCase], cases: Sequence[int] | None):
+    """[(k, case)] to judge: every case, or the 1-based numbers `cases`."""
+    numbers = range(1, len(all_cases) + 1) if cases is None else list(cases)
+    for k in numbers:
+        if not (isinstance(k, int) and 1 <= k <= len(all_cases)):
+            fail(name, f"there is no case {k!r}: the cases are 1 to {len(all_cases)}")
+    return [(k, all_cases[k - 1]) for k in numbers]
+
+
+def _record(name: str, report, k: int, case: UnitCase, rank: int) -> dict:
+    """Rank `rank`'s record of case k; the check fails where the rank did not report it."""
+    where = f"case {k} ({case.label}), rank {rank}"
+    results = report.get("results") if isinstance(report, dict) else None
+    found = [r for r in results if isinstance(r, dict) and r.get("case") == k] if (
+        isinstance(results, list)) else []
+    if not found:
+        fail(name, f"{where}: the rank reported nothing for this case",
+             "run the check again; if it repeats, the ranks stopped before this case")
+    error = found[0].get("error")
+    if error is not None:
+        fail(name, f"{where} raised: {str(error)[:300]}")
+    return found[0]
+
+
+def _passed_line(all_cases: list, chosen: list) -> str:
+    if len(chosen) == len(all_cases):
+        return f"{len(chosen)}/{len(all_cases)} units"
+    return f"case {', '.join(str(k) for k, _ in chosen)} of {len(all_cases)}"
+
+
+# ------------------------------------------------------------------ materialize / release
+
+
 def check_materialize_release(materialize: Callable, release: Callable) -> None:
     """Notebook 05: materialize(unit) and release(unit), a stage-3 unit's lifecycle.
 
@@ -54,59 +157,99 @@ def check_materialize_release(materialize: Callable, release: Callable) -> None:
     judge_materialize_release(name, reports)
 
 
-def judge_materialize_release(name: str, reports: list[dict]) -> None:
-    """The verdict on every rank's units: gathered into `full` itself, freed in place."""
-    n = reports[0]["world_size"]
+def judge_materialize_release(name: str, reports: list[dict], seed: int | None = None,
+                              cases: Sequence[int] | None = None) -> None:
+    """The verdict on every rank's units: gathered into `full` itself, freed in place.
+
+    `seed` picks the cases the ranks ran (None: the notebook's); `cases`, the 1-based
+    numbers of those to judge (None: all of them).
+    """
+    n = _world(name, reports)
+    all_cases = materialize_release_cases(seed)
+    chosen = _chosen(name, all_cases, cases)
+    expected = {}
+    for k, case in chosen:  # the unsharded module's parameters and gradients
+        params = list(build_module(case).parameters())
+        expected[k] = ([list(p.shape) for p in params],
+                       [p.detach().reshape(-1).tolist() for p in params],
+                       flat(case, params, n),
+                       [g.reshape(-1).tolist() for g in reference_gradients(case)])
     for rank, report in enumerate(reports):
-        for r in report["results"]:
-            where = f"case {r['case']} ({r['label']}), rank {rank}"
-            padded = r["padded_bytes"]
-            comm = r["materialize_comm"]
-            if not r["shapes_ok"]:
-                fail(name, f"{where}: after materialize the parameters do not have their full "
-                           "shapes", "set each p.data to its view in unit.full_views")
-            if not r["values_ok"]:
-                fail(name, f"{where}: after materialize the parameters differ from the full "
-                           "model's", "all-gather every rank's slice (unit.local) into "
-                                      "unit.full: dist.all_gather_single(unit.full, unit.local)")
-            if not r["views_full"]:
-                fail(name, f"{where}: the parameters are right but do not view unit.full's own "
-                           "storage",
-                     "gather into unit.full itself (after allocate_storage(unit.full)), not into "
-                     "a new tensor: autograd keeps views of the first one (weight.t(), ...), "
-                     "and only a refill of that same storage reaches them for backward")
-            ops = [(c["op"], c["nbytes"]) for c in comm]
-            if ops != [("all_gather", padded)]:
-                fail(name, f"{where}: materialize sent {comm_summary(comm)}; expected one "
-                           f"all_gather of the padded buffer ({padded} bytes)",
-                     "one dist.all_gather_single of the whole flat buffer, not one collective "
-                     "per parameter or N broadcasts")
-            if r["release_comm"]:
-                fail(name, f"{where}: release sent {comm_summary(r['release_comm'])}",
-                     "releasing needs no communication: every rank keeps its own slice")
-            if not r["same_full"]:
-                fail(name, f"{where}: after release, unit.full is a different tensor",
-                     "free the storage in place (free_storage(unit.full), i.e. "
-                     "unit.full.untyped_storage().resize_(0)); dropping or replacing the "
-                     "tensor leaves the memory alive in the views autograd saved")
-            if r["freed_bytes"]:
-                fail(name, f"{where}: after release unit.full still holds "
-                           f"{r['freed_bytes']} bytes",
-                     "rebinding p.data alone frees nothing (the ZeRO blog post's release): "
-                     "autograd still references the full tensors. Free the storage itself: "
-                     "free_storage(unit.full)")
-            if not r["local_again"]:
-                fail(name, f"{where}: after release the parameters are not their local pieces",
-                     "set each p.data back to its piece in unit.local_views")
-            if not r["local_unchanged"]:
-                fail(name, f"{where}: unit.local changed", "never write into the local slice")
-            if not r["grads_ok"]:
-                fail(name, f"{where}: backward after the second materialize gave wrong "
-                           "gradients", "materialize must refill the same storage each time")
-    cases = len(reports[0]["results"])
-    passed(name, f"{cases}/{cases} units pass on {n} ranks: one all-gather each, storage freed "
-                 "in place",
+        for k, case in chosen:
+            r = _record(name, report, k, case, rank)
+            where = f"case {k} ({case.label}), rank {rank}"
+            with _readable(name, where):
+                _judge_unit(name, where, case, n, rank, r, *expected[k])
+    passed(name, f"{_passed_line(all_cases, chosen)} pass on {n} ranks: one all-gather "
+                 "each, storage freed in place",
            "you wrote stage 3's gather, use and free: one unit is whole at a time")
+
+
+def _judge_unit(name: str, where: str, case: UnitCase, n: int, rank: int, r: dict,
+                shapes: list, values: list, full, grads: list) -> None:
+    s = shard_numel(case, n)
+    padded = s * n * 8
+    if [_ints(x) for x in r["shapes"]] != shapes:
+        fail(name, f"{where}: after materialize the parameters do not have their full "
+                   "shapes", "set each p.data to its view in unit.full_views")
+    got = r["values"]
+    if not isinstance(got, list) or len(got) != len(values):
+        raise ValueError("not one list of values per parameter")
+    if any(v is None for v in got):
+        fail(name, f"{where}: after materialize the parameters' memory is freed",
+             "give unit.full its memory back (allocate_storage(unit.full)), then all-gather "
+             "every rank's slice into it: dist.all_gather_single(unit.full, unit.local)")
+    if any(_floats(v) != e for v, e in zip(got, values, strict=True)):
+        fail(name, f"{where}: after materialize the parameters differ from the full "
+                   "model's", "all-gather every rank's slice (unit.local) into "
+                              "unit.full: dist.all_gather_single(unit.full, unit.local)")
+    ids, storage = [int(i) for i in r["full_ids"]], int(r["full_storage"])
+    if len(set(ids)) != 1 or any(int(p) != storage for p in r["param_storages"]):
+        fail(name, f"{where}: the parameters are right but do not view unit.full's own "
+                   "storage",
+             "gather into unit.full itself (after allocate_storage(unit.full)), not into "
+             "a new tensor: autograd keeps views of the first one (weight.t(), ...), "
+             "and only a refill of that same storage reaches them for backward")
+    comm = _comm(r["materialize_comm"])
+    if [(c["op"], c["nbytes"]) for c in comm] != [("all_gather", padded)]:
+        fail(name, f"{where}: materialize sent {comm_summary(comm)}; expected one "
+                   f"all_gather of the padded buffer ({padded} bytes)",
+             "one dist.all_gather_single of the whole flat buffer, not one collective "
+             "per parameter or N broadcasts")
+    released = _comm(r["release_comm"])
+    if released:
+        fail(name, f"{where}: release sent {comm_summary(released)}",
+             "releasing needs no communication: every rank keeps its own slice")
+    if any(int(i) != ids[0] for i in r["released_ids"]):
+        fail(name, f"{where}: after release, unit.full is a different tensor",
+             "free the storage in place (free_storage(unit.full), i.e. "
+             "unit.full.untyped_storage().resize_(0)); dropping or replacing the "
+             "tensor leaves the memory alive in the views autograd saved")
+    freed = int(r["freed_bytes"])
+    if freed:
+        fail(name, f"{where}: after release unit.full still holds {freed} bytes",
+             "rebinding p.data alone frees nothing (the ZeRO blog post's release): "
+             "autograd still references the full tensors. Free the storage itself: "
+             "free_storage(unit.full)")
+
+    def facts(items) -> list:  # [shape, storage address, data address] per tensor
+        return [[_ints(shape), int(storage), int(ptr)] for shape, storage, ptr in items]
+
+    if facts(r["released"]) != facts(r["pieces"]) or len(r["pieces"]) != len(shapes):
+        fail(name, f"{where}: after release the parameters are not their local pieces",
+             "set each p.data back to its piece in unit.local_views")
+    local = r["local"]
+    if local is None or _floats(local) != full[rank * s:(rank + 1) * s].tolist():
+        fail(name, f"{where}: unit.local changed", "never write into the local slice")
+    got_grads = r.get("grads")
+    if not isinstance(got_grads, list) or len(got_grads) != len(grads) or any(
+            g is None or not _close(_floats(g), e)
+            for g, e in zip(got_grads, grads, strict=True)):
+        fail(name, f"{where}: backward after the second materialize gave wrong "
+                   "gradients", "materialize must refill the same storage each time")
+
+
+# ------------------------------------------------------------------ post-backward
 
 
 def check_post_backward(fn: Callable) -> None:
@@ -122,57 +265,81 @@ def check_post_backward(fn: Callable) -> None:
     judge_post_backward(name, run_exercise(name, POST_BACKWARD, [fn]))
 
 
-def judge_post_backward(name: str, reports: list[dict]) -> None:
-    """The verdict on every rank's backward calls: averaged slice added, Ψ sent, all freed."""
-    n = reports[0]["world_size"]
+def judge_post_backward(name: str, reports: list[dict], seed: int | None = None,
+                        cases: Sequence[int] | None = None) -> None:
+    """The verdict on every rank's backward calls: averaged slice added, Ψ sent, all freed.
+
+    `seed` and `cases` as for judge_materialize_release.
+    """
+    n = _world(name, reports)
+    all_cases = post_backward_cases(seed)
+    chosen = _chosen(name, all_cases, cases)
     for rank, report in enumerate(reports):
-        for r in report["results"]:
-            for call in r["calls"]:
-                where = (f"case {r['case']} ({r['label']}), backward call {call['call']}, "
-                         f"rank {rank}")
-                ops = [c["op"] for c in call["comm"]]
-                if not call["match"]:
-                    detail = (f"{where}: unit.grad differs from this rank's slice of the "
-                              "averaged gradient"
-                              + first_values_differ(call["expected"], call["got"]))
-                    shard_ar = [c for c in call["comm"] if c["op"] == "all_reduce"
-                                and c["nbytes"] == r["shard_bytes"]]
-                    if shard_ar:
-                        hint = ("each rank all-reduced ITS OWN chunk of its gradient (the seed "
-                                "blog's ZeRO-3 bug): rank 0's chunk 0 was summed with rank 1's "
-                                "chunk 1, slices of different parameters. A reduce-scatter "
-                                "sums chunk r of every rank and hands it to rank r")
-                    elif call["match_if_summed"]:
-                        hint = SUMMED_NOT_AVERAGED_HINT
-                    elif call["match_last_only"]:
-                        hint = ("unit.grad holds only this backward's gradient: ADD the new "
-                                "slice to unit.grad (gradient accumulation)")
-                    elif call["grad_shape"] is not None and call["grad_shape"] != [
-                            r["shard_bytes"] // 8]:
-                        hint = (f"unit.grad has shape {call['grad_shape']}; it is this rank's "
-                                f"slice: {r['shard_bytes'] // 8} elements")
-                    else:
-                        hint = ("dist.reduce_scatter_single(slice, unit.full_grad, "
-                                "op=dist.ReduceOp.AVG), then add the slice to unit.grad")
-                    fail(name, detail, hint)
-                if "all_reduce" in ops:
-                    fail(name, f"{where}: the values are right, but you sent "
-                               f"{comm_summary(call['comm'])}",
-                         "an all-reduce of the full gradient is 2Ψ and every rank then keeps "
-                         "only its slice; a reduce-scatter delivers just that slice for Ψ")
-                expected = [("reduce_scatter", r["padded_bytes"])]
-                if [(c["op"], c["nbytes"]) for c in call["comm"]] != expected:
-                    fail(name, f"{where}: expected one reduce_scatter of the padded buffer "
-                               f"({r['padded_bytes']} bytes); got {comm_summary(call['comm'])}",
-                         "reduce-scatter unit.full_grad itself: no copies, no concatenation")
-                if not call["params_freed"] or not call["params_local"]:
-                    fail(name, f"{where}: the unit's full parameters are still gathered",
-                         "the unit's backward is over: call unit.release()")
-                if not call["full_grad_dropped"]:
-                    fail(name, f"{where}: unit.full_grad is still set",
-                         "once reduce-scattered, the full gradient is not needed: "
-                         "unit.full_grad = None frees it")
-    cases = len(reports[0]["results"])
-    passed(name, f"{cases}/{cases} units x 2 backward calls pass on {n} ranks: slice averaged "
-                 "and added, unit freed",
+        for k, case in chosen:
+            r = _record(name, report, k, case, rank)
+            calls = r.get("calls")
+            if not isinstance(calls, list) or len(calls) < case.calls:
+                fail(name, f"case {k} ({case.label}), rank {rank}: the rank reported "
+                           f"{len(calls) if isinstance(calls, list) else 'no'} of "
+                           f"{case.calls} backward calls",
+                     "run the check again; if it repeats, the ranks stopped early")
+            for i in range(case.calls):
+                where = f"case {k} ({case.label}), backward call {i + 1}, rank {rank}"
+                with _readable(name, where):
+                    _judge_call(name, where, case, n, rank, i, calls[i])
+    counts = " or ".join(str(c) for c in sorted({case.calls for _, case in chosen}))
+    passed(name, f"{_passed_line(all_cases, chosen)} x {counts} backward calls pass on "
+                 f"{n} ranks: slice averaged and added, unit freed",
            "you finished stage 3: each unit's gradient is reduce-scattered and freed in backward")
+
+
+def _judge_call(name: str, where: str, case: UnitCase, n: int, rank: int, i: int,
+                call: dict) -> None:
+    s = shard_numel(case, n)
+    padded_bytes, shard_bytes = s * n * 8, s * 8
+    slices = {key: t.tolist() for key, t in reduced_slices(case, i, rank, n).items()}
+    comm = _comm(call["comm"])
+    shape = None if call["grad_shape"] is None else _ints(call["grad_shape"])
+    got = None if call["grad"] is None else _floats(call["grad"])
+    fits = shape == [s] and got is not None and len(got) == s
+    if not (fits and _close(got, slices["mean"])):
+        if got is not None:
+            shown = got[:3]
+        elif shape is None:
+            shown = str(call["grad_repr"])[:200]
+        else:
+            shown = "(a tensor whose memory is freed)"
+        detail = (f"{where}: unit.grad differs from this rank's slice of the averaged gradient"
+                  + first_values_differ(slices["mean"][:3], shown))
+        if any(c["op"] == "all_reduce" and c["nbytes"] == shard_bytes for c in comm):
+            hint = ("each rank all-reduced ITS OWN chunk of its gradient (the seed "
+                    "blog's ZeRO-3 bug): rank 0's chunk 0 was summed with rank 1's "
+                    "chunk 1, slices of different parameters. A reduce-scatter "
+                    "sums chunk r of every rank and hands it to rank r")
+        elif fits and _close(got, slices["summed"]):
+            hint = SUMMED_NOT_AVERAGED_HINT
+        elif fits and _close(got, slices["last"]):
+            hint = ("unit.grad holds only this backward's gradient: ADD the new "
+                    "slice to unit.grad (gradient accumulation)")
+        elif shape is not None and shape != [s]:
+            hint = f"unit.grad has shape {shape}; it is this rank's slice: {s} elements"
+        else:
+            hint = ("dist.reduce_scatter_single(slice, unit.full_grad, "
+                    "op=dist.ReduceOp.AVG), then add the slice to unit.grad")
+        fail(name, detail, hint)
+    if any(c["op"] == "all_reduce" for c in comm):
+        fail(name, f"{where}: the values are right, but you sent {comm_summary(comm)}",
+             "an all-reduce of the full gradient is 2Ψ and every rank then keeps "
+             "only its slice; a reduce-scatter delivers just that slice for Ψ")
+    if [(c["op"], c["nbytes"]) for c in comm] != [("reduce_scatter", padded_bytes)]:
+        fail(name, f"{where}: expected one reduce_scatter of the padded buffer "
+                   f"({padded_bytes} bytes); got {comm_summary(comm)}",
+             "reduce-scatter unit.full_grad itself: no copies, no concatenation")
+    param_shapes = [_ints(x) for x in call["param_shapes"]]
+    if int(call["full_bytes"]) != 0 or param_shapes != [_ints(x) for x in call["piece_shapes"]]:
+        fail(name, f"{where}: the unit's full parameters are still gathered",
+             "the unit's backward is over: call unit.release()")
+    if call["full_grad_set"] is not False:
+        fail(name, f"{where}: unit.full_grad is still set",
+             "once reduce-scattered, the full gradient is not needed: "
+             "unit.full_grad = None frees it")

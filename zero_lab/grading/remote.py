@@ -15,20 +15,23 @@ removed once it is given, unless it sends the learner to them.
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import json
 import shutil
-import signal
 import tempfile
 import textwrap
-import threading
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from zero_lab.grading.framework import NOT_IMPLEMENTED_HINT, ExerciseFailed, fail
+from zero_lab.grading.framework import (
+    NOT_IMPLEMENTED_HINT,
+    ExerciseFailed,
+    TooSlow,
+    fail,
+    time_limit,
+)
 from zero_lab.launch import LaunchError, LaunchTimeout, torchrun
 from zero_lab.launch.capacity import CapacityWarning
 from zero_lab.launch.paths import WORKERS
@@ -77,29 +80,6 @@ def function_source(check: str, fn: Callable) -> str:
 PROBE_SECONDS = 5.0  # a dummy call outside any process group returns or fails at once
 
 
-class ProbeTimeout(Exception):
-    pass
-
-
-@contextlib.contextmanager
-def time_limit(seconds: float):
-    """Raise ProbeTimeout in this (main) thread after `seconds`; elsewhere, no limit."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expire(signum, frame):
-        raise ProbeTimeout
-
-    previous = signal.signal(signal.SIGALRM, expire)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, previous)
-
-
 def is_stub(fn: Callable, args: tuple, check: str = "check") -> bool:
     """Does fn raise NotImplementedError at once? (A stub fails without starting any rank.)
     A call that does not return within PROBE_SECONDS, or ends the process, fails the check
@@ -109,7 +89,7 @@ def is_stub(fn: Callable, args: tuple, check: str = "check") -> bool:
             fn(*args)
     except NotImplementedError:
         return True
-    except ProbeTimeout:
+    except TooSlow:
         fail(check, f"{fn.__name__}() did not return within {PROBE_SECONDS:.0f} s on a dummy "
                     "call outside any process group, where it should fail at its first "
                     "collective", "look for a loop that never ends before the first collective")
@@ -123,11 +103,12 @@ def is_stub(fn: Callable, args: tuple, check: str = "check") -> bool:
 
 def run_on_ranks(check: str, runs: Sequence[tuple[RankExercise, Sequence[Callable]]],
                  timeout: float = 180.0, hang_hint: str = HANG_HINT,
-                 nproc: int = RANKS) -> dict[str, list[dict]]:
+                 nproc: int = RANKS, seed: int | None = None) -> dict[str, list[dict]]:
     """Run each (exercise, functions), all in one launch of their script on `nproc` ranks.
 
     Returns {exercise_key: [the report of rank 0, rank 1, ...]}. Several runs share a launch
     (the tests grade a reference and its wrong answers together); they must share a script.
+    `seed` picks the cases: None, the notebook's; an int, the batch grader's (rank_cases/).
     """
     scripts = {exercise.script for exercise, _ in runs}
     if len(scripts) != 1:
@@ -150,7 +131,8 @@ def run_on_ranks(check: str, runs: Sequence[tuple[RankExercise, Sequence[Callabl
             with warnings.catch_warnings():  # the checks time nothing: 3 ranks on 2 cores do
                 warnings.simplefilter("ignore", CapacityWarning)
                 result = torchrun(WORKERS / scripts.pop(), nproc=nproc, timeout=timeout,
-                                  backend="gloo", stream=False, args=[str(learner), *keys])
+                                  backend="gloo", stream=False,
+                                  args=[str(learner), *seed_args(seed), *keys])
         except LaunchError as exc:
             reports = judge_failed_launch(check, exc, nproc, keys, timeout, hang_hint)
         else:
@@ -167,7 +149,8 @@ def judge_failed_launch(check: str, exc: LaunchError, nproc: int, keys: Sequence
     keep = False
     try:
         if isinstance(exc, LaunchTimeout):
-            fail(check, f"the {nproc} ranks did not finish within {timeout:.0f} s", hang_hint)
+            fail(check, f"the {nproc} ranks did not finish within {timeout:.0f} s"
+                        f"{unfinished(exc.run_dir, nproc, keys)}", hang_hint)
         reports = complete_reports(exc.run_dir, nproc, keys)
         if reports is None:
             explain_rank_error(check, exc, nproc)  # raises ExerciseFailed
@@ -178,6 +161,24 @@ def judge_failed_launch(check: str, exc: LaunchError, nproc: int, keys: Sequence
     finally:
         if exc.run_dir is not None and not keep:
             shutil.rmtree(exc.run_dir, ignore_errors=True)
+
+
+def unfinished(run_dir: Path | None, nproc: int, keys: Sequence[str]) -> str:
+    """Which ranks had not reported when the launch was stopped (those still running it)."""
+    if run_dir is None:
+        return ""
+    late = []
+    for rank in range(nproc):
+        path = run_dir / f"rank{rank}.json"
+        try:
+            done = all(key in json.loads(path.read_text()) for key in keys)
+        except (OSError, ValueError):
+            done = False
+        if not done:
+            late.append(str(rank))
+    if not late or len(late) == nproc:
+        return " (every rank was still running)" if late else ""
+    return f" (still running: rank {', '.join(late)}; the others had finished)"
 
 
 def complete_reports(run_dir: Path | None, nproc: int, keys: Sequence[str]) -> list[dict] | None:
@@ -201,10 +202,16 @@ def complete_reports(run_dir: Path | None, nproc: int, keys: Sequence[str]) -> l
     return reports
 
 
+def seed_args(seed: int | None) -> list[str]:
+    """The rank script's arguments that pick the cases (zero_lab.course.exercises)."""
+    return [] if seed is None else ["--seed", str(int(seed))]
+
+
 def run_exercise(check: str, exercise: RankExercise, fns: Sequence[Callable],
-                 timeout: float = 180.0, hang_hint: str = HANG_HINT) -> list[dict]:
+                 timeout: float = 180.0, hang_hint: str = HANG_HINT,
+                 seed: int | None = None) -> list[dict]:
     """The per-rank reports of one exercise, in a launch of its own (what a check does)."""
-    runs = run_on_ranks(check, [(exercise, fns)], timeout, hang_hint)
+    runs = run_on_ranks(check, [(exercise, fns)], timeout, hang_hint, seed=seed)
     return runs[exercise_key(exercise, fns)]
 
 

@@ -69,7 +69,9 @@ def summary(graded: list, seed: int) -> str:
     rows = collections.defaultdict(list)
     for g in graded:
         rows[(g.exercise.notebook, g.exercise.check)].append(g)
-    parts = [f"# Summary (seed {seed})", "",
+    from zero_lab.grading.offline import network_note
+
+    parts = [f"# Summary (seed {seed})", "", network_note(), "",
              "| notebook | exercise | passed | mean points | statuses | most common first "
              "failing case |", "| --- | --- | --- | --- | --- | --- |"]
     for (notebook, check), gs in sorted(rows.items()):

@@ -9,8 +9,9 @@ only the standard library.)
 JOB_DIR/job.pickle, written by the grader (batch.py), holds the exercise's preamble (the
 imports the notebook gave the function), the learner's function definitions (taken from the
 submission with the AST: only the `def`s, never the rest of the cell), and either the calls
-to make (a kernel exercise: one pickled (args, kwargs) per hidden case) or the check to run
-(an exercise on ranks, whose check launches torchrun itself). The grader pickles; this
+to make (a kernel exercise: one pickled (args, kwargs) per hidden case) or the exercise to
+start on ranks (its ranks report what the learner's function produced; this process passes
+the reports back unjudged, and the grader's parent judges them). The grader pickles; this
 process never pickles anything back: it writes JOB_DIR/answers.json, one entry per call,
 rewritten after every call, so a case that hangs or kills the process still leaves the
 cases before it graded.
@@ -94,6 +95,26 @@ def _one_line(exc: BaseException) -> str:
     return text.splitlines()[0][:300] if text else type(exc).__name__
 
 
+def _on_ranks(spec: dict, functions: list) -> dict:
+    """Start the exercise's ranks (remote.run_exercise) and return their reports, unjudged:
+    {"reports": [rank 0's, ...]}. A launch that ends in the learner's error (a raise on a rank,
+    a hang, a stub) is {"failed": the message the notebook's check shows}."""
+    import importlib
+
+    from zero_lab.grading import remote  # torch and the launcher: only for these exercises
+    from zero_lab.grading.framework import ExerciseFailed
+
+    exercise = getattr(importlib.import_module(spec["module"]), spec["exercise"])
+    try:
+        reports = remote.run_exercise(spec["check"], exercise, functions, spec["timeout"],
+                                      spec["hang_hint"], seed=spec["seed"])
+    except ExerciseFailed as exc:
+        return {"failed": str(exc)[:4000]}
+    except NotImplementedError:
+        return {"not_implemented": True}
+    return {"reports": reports}
+
+
 def main(job_dir: str) -> int:
     folder = Path(job_dir)
     job = pickle.loads((folder / JOB).read_bytes())
@@ -116,17 +137,8 @@ def main(job_dir: str) -> int:
         answers.append({"defined": False, "error": f"no function {', '.join(missing)}"})
         save()
         return 0
-    if job.get("check"):  # an exercise on ranks: its check launches them (remote.py)
-        import importlib
-
-        module, name = job["check"].rsplit(".", 1)  # e.g. zero_lab.grading.nb03_zero1
-        try:
-            getattr(importlib.import_module(module), name)(*functions)
-            answers.append({"check": "passed"})
-        except NotImplementedError:
-            answers.append({"not_implemented": True})
-        except BaseException as exc:
-            answers.append({"check": "failed", "error": str(exc)[:4000]})
+    if job.get("ranks"):  # an exercise on ranks: launch them, bring back what they report
+        answers.append(_on_ranks(job["ranks"], functions))
         save()
         return 0
     for blob in job["calls"]:

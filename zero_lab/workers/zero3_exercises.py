@@ -3,22 +3,25 @@
 Started by `zero_lab.grading.check_materialize_release` and `check_post_backward`
 (3 ranks, gloo):
 
-    zero3_exercises.py SOURCE_FILE EXERCISE:FUNCTION[,FUNCTION] ...
+    zero3_exercises.py SOURCE_FILE [--seed N] EXERCISE:FUNCTION[,FUNCTION] ...
 
 EXERCISE is "materialize_release" (two functions: materialize, release) or "post_backward".
 SOURCE_FILE holds the learner's functions; they run with `torch`, `dist`, `nn`, `math`,
 `free_storage` and `allocate_storage` (zero_lab.stages.partition) already imported. Each rank runs
-the hidden cases on units of odd sizes and reports facts (shapes, values, storages, the
-collectives issued and their bytes); the checks in `zero_lab.grading` turn them into a
-verdict and a hint. An exception is reported with its case, then re-raised so that
-torchrun stops every rank at once instead of leaving the others waiting in a collective
-(`zero_lab.course.exercises.run_exercises`). The learner's functions receive a
-`zero_lab.course.exercises.BareUnit` (materialize, release) or a `zero_lab.stages.units.Unit`.
+the cases (zero_lab/course/rank_cases/zero3.py: the notebook's, or drawn from --seed) on units
+of odd sizes and reports raw facts: the values the functions left (as lists), the collectives
+issued and their bytes, storage sizes and addresses, shapes. Nothing here compares them with
+an expected value: the learner's code runs in this process and could change any comparison
+made here, so the judges in `zero_lab.grading.nb05_zero3` compute the expected values in
+the grader's process and decide the verdict and the hint there. An exception is reported with
+its case, then re-raised so that torchrun stops every rank at once instead of leaving the
+others waiting in a collective (`zero_lab.course.exercises.run_exercises`). The learner's
+functions receive a `zero_lab.course.exercises.BareUnit` (materialize, release) or a
+`zero_lab.stages.units.Unit`.
 """
 
 from __future__ import annotations
 
-import copy
 import sys
 
 import torch
@@ -27,103 +30,104 @@ from torch import nn
 
 from zero_lab.collectives import CommLedger
 from zero_lab.course.exercises import BareUnit, learner_error, ledger_records, run_exercises
+from zero_lab.course.rank_cases.zero3 import (
+    UnitCase,
+    build_module,
+    case_input,
+    loss,
+    materialize_release_cases,
+    post_backward_cases,
+    rank_full_grad,
+)
 from zero_lab.stages.partition import FlatParamGroup, allocate_storage, free_storage
 from zero_lab.stages.units import Unit
 
 
-class _Scaled(nn.Module):
-    """A 3x3 weight and a 0-d scale: 10 elements, padded to 12 on 3 ranks."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.randn(3, 3))
-        self.scale = nn.Parameter(torch.tensor(1.5))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return (x @ self.weight.t()) * self.scale
-
-
-CASES = [  # (label, module builder, input features)
-    ("Linear(7, 5): 40 elements", lambda: nn.Linear(7, 5), 7),
-    ("Linear(4, 6, bias=False) + LayerNorm(6): 36 elements",
-     lambda: nn.Sequential(nn.Linear(4, 6, bias=False), nn.LayerNorm(6)), 4),
-    ("a 3x3 weight and a 0-d scale: 10 elements", _Scaled, 3),
-]
-
-
-def _make_unit(case: int) -> tuple[nn.Module, nn.Module, Unit, torch.Tensor]:
-    """(module sharded as one unit, an unsharded copy, the unit, an input), same on every rank."""
-    label, build, features = CASES[case]
-    torch.manual_seed(100 + case)
-    module = build().double()
-    reference = copy.deepcopy(module)
+def _make_unit(case: UnitCase) -> tuple[nn.Module, Unit]:
+    """(the case's module, sharded as one unit; the unit), the same on every rank."""
+    module = build_module(case)
     params = list(module.parameters())
     group = FlatParamGroup(params, dist.get_world_size(), dist.get_rank(),
                            [n for n, _ in module.named_parameters()])
     local = group.shard(group.flatten()).clone()
-    unit = Unit(label, module, group, local)  # parameters are now local pieces
-    x = torch.randn(5, features, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    return module, reference, unit, x
+    return module, Unit(case.label, module, group, local)  # parameters are now local pieces
 
 
 def _storage(t: torch.Tensor) -> int:
     return t.untyped_storage().data_ptr()
 
 
+def _values(t: torch.Tensor | None) -> list | float | None:
+    """t's values as (nested) lists, or None when its storage no longer holds them (freed):
+    reading them would fail, or read memory that is not theirs."""
+    if t is None:
+        return None
+    extent = t.storage_offset() + 1 + sum((s - 1) * st for s, st in zip(t.shape, t.stride(),
+                                                                          strict=True))
+    if t.numel() and t.untyped_storage().nbytes() < extent * t.element_size():
+        return None
+    return t.detach().tolist()
+
+
+def _views_allocated_full(unit: Unit, full_storage) -> bool:
+    """Do the parameters have their full shapes and view `unit.full`'s allocated storage?
+
+    Not a verdict (the judge decides from the reported facts): forward and backward through
+    parameters that do not could read freed memory, so the case stops before them.
+    """
+    return (full_storage.nbytes() >= unit.full.numel() * unit.full.element_size()
+            and all(p.shape == v.shape and _storage(p) == full_storage.data_ptr()
+                    for p, v in zip(unit.params, unit.full_views, strict=True)))
+
+
 # ------------------------------------------------------------------ materialize / release
 
 
-def run_materialize_release(materialize, release, out: dict) -> None:
+def run_materialize_release(materialize, release, out: dict, seed: int | None) -> None:
     """Per case: materialize, forward, release, materialize again, backward, release.
 
-    Reported per case: what materialize did (collectives; parameter shapes and values;
-    whether the parameters view `unit.full`'s own storage), what release did (collectives;
-    whether `unit.full` is still the same tensor with its storage freed; whether the
-    parameters are their local pieces again), and whether backward through the saved
-    activations, after a second materialize, gives the gradients of an unsharded copy.
+    Reported per case: what materialize did (collectives; parameter shapes and values; the
+    storage address of each parameter and of `unit.full`, and the ids of `unit.full` before
+    and after), what release did (collectives; the ids of `unit.full`; its storage's bytes;
+    each parameter's shape and addresses beside those of its local piece; `unit.local`'s
+    values), and the gradients backward gives through the saved activations after a second
+    materialize.
     """
     out["results"] = results = []
-    for c in range(len(CASES)):
-        module, reference, unit, x = _make_unit(c)
+    for k, case in enumerate(materialize_release_cases(seed), 1):
+        module, unit = _make_unit(case)
+        x = case_input(case)
         bare = BareUnit(unit)
-        record = {"case": c + 1, "label": CASES[c][0], "padded_bytes": unit.full.numel() * 8}
+        record = {"case": k, "label": case.label}
         results.append(record)
         full_object, full_storage = unit.full, unit.full.untyped_storage()
-        ref_params = list(reference.parameters())
         try:
             with CommLedger() as ledger:
                 materialize(bare)
             record["materialize_comm"] = ledger_records(ledger)
-            record["shapes_ok"] = all(p.shape == r.shape
-                                      for p, r in zip(unit.params, ref_params, strict=True))
-            record["values_ok"] = record["shapes_ok"] and all(
-                torch.equal(p.detach(), r.detach())
-                for p, r in zip(unit.params, ref_params, strict=True))
-            record["views_full"] = bare.full is full_object and all(
-                _storage(p) == full_storage.data_ptr() for p in unit.params)
-            if not (record["values_ok"] and record["views_full"]):
-                continue  # backward through stale views could read freed memory: stop here
-            loss = module(x).square().sum()  # autograd saves the weight (and views of it)
+            record["shapes"] = [list(p.shape) for p in unit.params]
+            record["values"] = [_values(p) for p in unit.params]
+            record["full_ids"] = [id(full_object), id(bare.full), id(unit.full)]
+            record["full_storage"] = full_storage.data_ptr()
+            record["param_storages"] = [_storage(p) for p in unit.params]
+            if bare.full is not full_object or not _views_allocated_full(unit, full_storage):
+                continue  # see _views_allocated_full
+            activations = loss(module, x)  # autograd saves the weight (and views of it)
             with CommLedger() as ledger:
                 release(bare)
             record["release_comm"] = ledger_records(ledger)
-            record["same_full"] = bare.full is full_object and unit.full is full_object
+            record["released_ids"] = [id(bare.full), id(unit.full)]
             record["freed_bytes"] = full_storage.nbytes()
-            record["local_again"] = all(
-                p.shape == piece.shape and _storage(p) == _storage(unit.local)
-                and p.data_ptr() == piece.data_ptr()
-                for p, piece in zip(unit.params, unit.local_views, strict=True))
-            record["local_unchanged"] = torch.equal(
-                unit.local, unit.group.shard(unit.group.flatten(ref_params)))
-            if not (record["same_full"] and record["local_again"]
-                    and record["freed_bytes"] == 0):
-                continue
+            record["released"] = [[list(p.shape), _storage(p), p.data_ptr()]
+                                  for p in unit.params]
+            record["pieces"] = [[list(v.shape), _storage(unit.local), v.data_ptr()]
+                                for v in unit.local_views]
+            record["local"] = _values(unit.local)
             materialize(bare)  # gathered again for backward, into the same storage
-            loss.backward()
-            reference(x).square().sum().backward()
-            record["grads_ok"] = all(
-                p.grad is not None and torch.allclose(p.grad, r.grad, rtol=1e-10, atol=1e-12)
-                for p, r in zip(unit.params, ref_params, strict=True))
+            if not _views_allocated_full(unit, full_storage):
+                continue
+            activations.backward()
+            record["grads"] = [_values(p.grad) for p in unit.params]
             for p in unit.params:
                 p.grad = None
             release(bare)
@@ -135,60 +139,38 @@ def run_materialize_release(materialize, release, out: dict) -> None:
 # ------------------------------------------------------------------ post-backward
 
 
-def _local_full_grad(case: int, call: int, rank: int, unit: Unit) -> torch.Tensor:
-    """Rank `rank`'s full flat gradient of the unit for backward call `call` (padding 0)."""
-    gen = torch.Generator().manual_seed(1000 * case + 10 * call + rank)
-    full = torch.zeros(unit.group.padded_numel, dtype=torch.float64)
-    full[:unit.group.numel] = torch.randn(unit.group.numel, generator=gen, dtype=torch.float64)
-    return full
-
-
-CALLS = 2  # backward calls before checking: gradient accumulation
-
-
-def run_post_backward(fn, out: dict) -> None:
-    """Per case, twice (accumulating): gather the unit, fill `unit.full_grad` with this
-    rank's local gradient, call fn(unit). Reported: the collectives fn issued, whether the
-    unit's full parameters and `unit.full_grad` were freed, and whether `unit.grad` equals
-    this rank's slice of the average (or, a known mistake, of the sum) over ranks.
+def run_post_backward(fn, out: dict, seed: int | None) -> None:
+    """Per case, `case.calls` times (accumulating): gather the unit, fill `unit.full_grad`
+    with this rank's local gradient, call fn(unit). Reported per call: the collectives fn
+    issued, the bytes `unit.full`'s storage holds, the parameters' and their local pieces'
+    shapes, whether `unit.full_grad` is still set, and `unit.grad` (its shape and values).
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     out["results"] = results = []
-    for c in range(len(CASES)):
-        _, _, unit, _ = _make_unit(c)
+    for k, case in enumerate(post_backward_cases(seed), 1):
+        _, unit = _make_unit(case)
         unit.grad = None
-        record = {"case": c + 1, "label": CASES[c][0], "padded_bytes": unit.full.numel() * 8,
-                  "shard_bytes": unit.local.numel() * 8, "calls": []}
+        record = {"case": k, "label": case.label, "calls": []}
         results.append(record)
         try:
-            for call in range(CALLS):
+            for call in range(case.calls):
                 unit.start_gather()
                 unit.finish_gather()
-                unit.full_grad = _local_full_grad(c, call, rank, unit)
+                unit.full_grad = rank_full_grad(case, call, rank, n)
                 with CommLedger() as ledger:
                     fn(unit)
-                every = torch.stack([sum(_local_full_grad(c, k, r, unit) for k in range(call + 1))
-                                     for r in range(n)])
                 got = unit.grad
-                mean, total = unit.group.shard(every.mean(0)), unit.group.shard(every.sum(0))
-                last = unit.group.shard(torch.stack(
-                    [_local_full_grad(c, call, r, unit) for r in range(n)]).mean(0))
-                ok_shape = isinstance(got, torch.Tensor) and got.shape == mean.shape
+                is_tensor = isinstance(got, torch.Tensor)
                 record["calls"].append({
                     "call": call + 1,
                     "comm": ledger_records(ledger),
-                    "params_freed": unit.full.untyped_storage().nbytes() == 0,
-                    "params_local": all(p.shape == v.shape for p, v
-                                        in zip(unit.params, unit.local_views, strict=True)),
-                    "full_grad_dropped": unit.full_grad is None,
-                    "grad_shape": list(got.shape) if isinstance(got, torch.Tensor) else None,
-                    "match": ok_shape and bool(torch.allclose(got, mean, rtol=1e-10, atol=1e-12)),
-                    "match_if_summed": ok_shape and bool(torch.allclose(got, total, rtol=1e-10,
-                                                                        atol=1e-12)),
-                    "match_last_only": ok_shape and bool(torch.allclose(got, last, rtol=1e-10,
-                                                                        atol=1e-12)),
-                    "expected": mean[:3].tolist(),
-                    "got": got[:3].tolist() if isinstance(got, torch.Tensor) else repr(got),
+                    "full_bytes": unit.full.untyped_storage().nbytes(),
+                    "param_shapes": [list(p.shape) for p in unit.params],
+                    "piece_shapes": [list(v.shape) for v in unit.local_views],
+                    "full_grad_set": unit.full_grad is not None,
+                    "grad_shape": list(got.shape) if is_tensor else None,
+                    "grad": _values(got) if is_tensor else None,
+                    "grad_repr": None if is_tensor else repr(got)[:200],
                 })
                 unit.release()  # whatever fn did, start the next call from rest
                 unit.full_grad = None
@@ -201,7 +183,7 @@ RUNNERS = {"materialize_release": run_materialize_release, "post_backward": run_
 
 
 def main(argv: list[str]) -> None:
-    """zero3_exercises.py SOURCE_FILE EXERCISE:FUNCTION[,FUNCTION] [...]
+    """zero3_exercises.py SOURCE_FILE [--seed N] EXERCISE:FUNCTION[,FUNCTION] [...]
 
     Records hold "results"; the learner's functions also see free_storage and
     allocate_storage.
