@@ -54,11 +54,6 @@ def owned_range_remainder_to_last(numel, world_size, rank):
     return rank * shard, end
 
 
-def test_owned_range_accepts_the_reference_end_to_end(capsys):
-    grading.check_owned_range(owned_range)  # its own launch, as in the notebook
-    assert "check_owned_range: 9/9 buffer sizes pass on 3 ranks" in capsys.readouterr().out
-
-
 def test_owned_range_rejects_the_stub():
     with pytest.raises(ExerciseFailed, match="not implemented yet"):
         grading.check_owned_range(owned_range_stub)
@@ -266,7 +261,7 @@ def test_a_case_some_rank_did_not_report_fails_clearly(graded):
     reports = [dict(r) for r in graded["sharded_step:sharded_step"]]
     reports[1]["results"] = reports[1]["results"][:1]
     judge_sharded_step("check_sharded_step", reports, cases=[1])
-    with pytest.raises(ExerciseFailed, match="rank 1 did not report this case"):
+    with pytest.raises(ExerciseFailed, match="rank 1: the rank reported nothing for this case"):
         judge_sharded_step("check_sharded_step", reports)
 
 

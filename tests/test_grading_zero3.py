@@ -225,11 +225,6 @@ def test_materialize_release_accepts_the_reference(judge, capsys):
     assert "check_materialize_release: 3/3 units pass on 3 ranks" in capsys.readouterr().out
 
 
-def test_materialize_release_end_to_end(capsys):
-    grading.check_materialize_release(materialize, release)  # its own launch, as in the notebook
-    assert "3/3 units pass on 3 ranks" in capsys.readouterr().out
-
-
 def test_materialize_release_rejects_the_stub():
     with pytest.raises(ExerciseFailed, match="not implemented yet"):
         grading.check_materialize_release(materialize_stub, release)
@@ -256,11 +251,6 @@ def test_post_backward_accepts_the_reference(judge, capsys):
     judge("post_backward", post_backward)
     assert "check_post_backward: 3/3 units x 2 backward calls pass on 3 ranks" in (
         capsys.readouterr().out)
-
-
-def test_post_backward_end_to_end(capsys):
-    grading.check_post_backward(post_backward)
-    assert "3/3 units x 2 backward calls pass on 3 ranks" in capsys.readouterr().out
 
 
 def test_post_backward_rejects_the_stub():

@@ -13,7 +13,6 @@ ops, sizes and world sizes, for the batch grader, grading/hidden.py).
 
 from __future__ import annotations
 
-import contextlib
 import math
 import random
 from collections.abc import Callable, Sequence
@@ -27,6 +26,13 @@ from zero_lab.course.rank_cases.ring import (
     ring_reduce_scatter_cases,
 )
 from zero_lab.grading.framework import Case, fail, passed, run_cases
+from zero_lab.grading.rank_reports import (
+    case_record,
+    chosen_cases,
+    passed_cases,
+    readable,
+    world_size,
+)
 from zero_lab.grading.remote import RankExercise, run_exercise
 
 
@@ -66,21 +72,19 @@ def judge_ring_reduce_scatter(name: str, reports: list[dict], seed: int | None =
     of those to judge (None: all of them; the batch grader judges one at a time, a point each).
     """
     all_cases = ring_reduce_scatter_cases(seed)
-    numbers = range(1, len(all_cases) + 1) if cases is None else list(cases)
-    for k in numbers:
-        if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= len(all_cases):
-            fail(name, f"there is no case {k!r}: the cases are 1 to {len(all_cases)}")
-    n = _world_size(name, reports)
+    chosen = chosen_cases(name, all_cases, cases)
+    numbers = [k for k, _ in chosen]
+    n = world_size(name, reports, least=2)
     inputs = [rank_inputs(all_cases, rank, n) for rank in range(n)]  # all: they share draws
-    for rank, report in enumerate(reports):
+    for rank in range(n):
         for k in numbers:
             case = all_cases[k - 1]
-            where = f"case {k}/{len(all_cases)} ({case.label(n)}), rank {rank}"
-            record = _record(name, report, k, where)
-            with _readable(name, where):
+            which = f"case {k}/{len(all_cases)} ({case.label(n)})"
+            where = f"{which}, rank {rank}"
+            record = case_record(name, reports, rank, k, which)
+            with readable(name, where):
                 _judge_case(name, where, case, n, rank, record, [x[k - 1] for x in inputs])
-    judged = (f"{len(all_cases)}/{len(all_cases)} cases" if len(numbers) == len(all_cases)
-              else f"case {', '.join(map(str, numbers))} of {len(all_cases)}")
+    judged = passed_cases(all_cases, chosen)
     passed(name, f"{judged} pass on {n} ranks: dist's result, isend/irecv only, (N-1)/N of "
                  "it sent",
            "you can build a reduce-scatter from sends alone: N-1 steps of 1/N of the input")
@@ -146,39 +150,6 @@ def _shown(values: list[float], case: RingCase) -> list:
     """The first values, as the dtype prints them (ints for int64)."""
     first = values[:SHOWN]
     return [int(v) if case.dtype == "int64" and v.is_integer() else v for v in first]
-
-
-def _world_size(name: str, reports) -> int:
-    with _readable(name, "the launch"):
-        n = int(reports[0]["world_size"])
-        if n < 2 or len(reports) != n:
-            raise ValueError(f"{len(reports)} reports for {n} ranks")
-    return n
-
-
-def _record(name: str, report, k: int, where: str) -> dict:
-    """The rank's record of case k; the check fails where the rank did not report it."""
-    results = report.get("results") if isinstance(report, dict) else None
-    found = [r for r in results if isinstance(r, dict) and r.get("case") == k] if (
-        isinstance(results, list)) else []
-    if not found:
-        fail(name, f"{where}: the rank reported nothing for this case",
-             "run the check again; if it repeats, the ranks stopped before this case")
-    error = found[0].get("error")
-    if error is not None:
-        fail(name, f"{where} raised: {str(error)[:300]}")
-    return found[0]
-
-
-@contextlib.contextmanager
-def _readable(name: str, where: str):
-    """A report that is not what the rank script writes fails the check, with its place."""
-    try:
-        yield
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError) as exc:
-        fail(name, f"{where}: the ranks' report could not be read ({type(exc).__name__}: "
-                   f"{str(exc)[:80]})",
-             "run the check again; if it repeats, the report was changed on its way here")
 
 
 RING_HINTS = {

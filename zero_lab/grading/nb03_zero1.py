@@ -27,12 +27,19 @@ from zero_lab.course.rank_cases.zero1_zero2 import (
     sharded_step_cases,
 )
 from zero_lab.grading.framework import (
-    NOT_IMPLEMENTED_HINT,
     SUMMED_NOT_AVERAGED_HINT,
     fail,
     first_values_differ,
     largest_difference,
     passed,
+)
+from zero_lab.grading.rank_reports import (
+    as_comm,
+    as_count,
+    as_floats,
+    case_record,
+    chosen_cases,
+    unreadable,
 )
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
 
@@ -53,70 +60,6 @@ SHARDED_STEP = RankExercise("zero1_zero2_exercises.py", "sharded_step", _sharded
 
 
 # --------------------------------------------------------------- reading the ranks' reports
-
-
-def chosen_cases(name: str, all_cases: list, cases: Sequence[int] | None) -> list[tuple]:
-    """(number, case) for the 1-based case numbers asked for (None: every case)."""
-    numbers = range(1, len(all_cases) + 1) if cases is None else cases
-    chosen = []
-    for k in numbers:
-        if not 1 <= k <= len(all_cases):
-            fail(name, f"there is no case {k} (1 to {len(all_cases)})")
-        chosen.append((k, all_cases[k - 1]))
-    return chosen
-
-
-def unreadable(name: str, where: str, what: str) -> None:
-    fail(name, f"{where}: the ranks' report could not be read ({what})",
-         "the function must leave the objects it receives usable (the right types and sizes)")
-
-
-def case_record(name: str, reports: list, rank: int, k: int, where: str) -> dict:
-    """Rank `rank`'s record of case k (`where` names it); a missing one fails, as does one
-    with the error the function raised."""
-    report = reports[rank] if rank < len(reports) else None
-    results = report.get("results") if isinstance(report, dict) else None
-    found = [r for r in results if isinstance(r, dict) and r.get("case") == k] \
-        if isinstance(results, list) else []
-    if len(found) != 1:
-        fail(name, f"{where}: rank {rank} did not report this case",
-             "the ranks stopped before this case: look for an error or an early exit")
-    record = found[0]
-    if record.get("error"):
-        error = record["error"]
-        text = (f"{error.get('type')}: {error.get('message')}" if isinstance(error, dict)
-                else str(error))
-        if text.startswith("NotImplementedError"):
-            fail(name, "not implemented yet", NOT_IMPLEMENTED_HINT)
-        fail(name, f"{where}: rank {rank} raised {text}")
-    return record
-
-
-def as_floats(name: str, where: str, value: Any, length: int, what: str) -> torch.Tensor:
-    """A reported list of `length` numbers, as float64 (fails on anything else)."""
-    if not isinstance(value, list) or len(value) != length or not all(
-            isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
-        unreadable(name, where, f"{what}: expected {length} numbers")
-    return torch.tensor(value, dtype=torch.float64)
-
-
-def as_count(name: str, where: str, value: Any, what: str) -> int:
-    if not isinstance(value, int) or isinstance(value, bool) or value < 0:
-        unreadable(name, where, f"{what}: expected a count, got {str(value)[:40]}")
-    return value
-
-
-def as_comm(name: str, where: str, value: Any) -> list[dict]:
-    """The collectives a rank's ledger saw: [{"op", "nbytes", "in_backward"}, ...]."""
-    if not isinstance(value, list):
-        unreadable(name, where, "the collectives issued")
-    comm = []
-    for c in value:
-        if not (isinstance(c, dict) and isinstance(c.get("op"), str)
-                and isinstance(c.get("nbytes"), int) and isinstance(c.get("in_backward"), bool)):
-            unreadable(name, where, "the collectives issued")
-        comm.append({"op": c["op"], "nbytes": c["nbytes"], "in_backward": c["in_backward"]})
-    return comm
 
 
 # --------------------------------------------------------------------------- owned range

@@ -15,9 +15,8 @@ import torch
 
 from zero_lab.course.rank_cases.zero1_zero2 import bucket_hook_cases, global_batch_grads
 from zero_lab.grading.framework import fail, passed
-from zero_lab.grading.nb03_zero1 import (
-    ATOL,
-    RTOL,
+from zero_lab.grading.nb03_zero1 import ATOL, RTOL
+from zero_lab.grading.rank_reports import (
     as_comm,
     as_count,
     as_floats,
@@ -80,8 +79,9 @@ def judge_bucket_hook(name: str, reports: list[dict], seed: int | None = None,
               for k, case in chosen_cases(name, all_cases, cases)]
     for rank in range(n):
         for k, case, (params, expected_sizes, slices) in chosen:
-            where = f"case {k} ({case.label(len(expected_sizes))}), rank {rank}"
-            record = case_record(name, reports, rank, k, where)
+            which = f"case {k} ({case.label(len(expected_sizes))})"
+            where = f"{which}, rank {rank}"
+            record = case_record(name, reports, rank, k, which)
             comm = [c for c in as_comm(name, where, record.get("comm")) if c["op"] != "barrier"]
             rs = [c for c in comm if c["op"] == "reduce_scatter"]
             if any(c["op"] == "all_reduce" for c in comm):

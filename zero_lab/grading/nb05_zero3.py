@@ -11,7 +11,6 @@ check with a message, never crashes the judge.
 
 from __future__ import annotations
 
-import contextlib
 from collections.abc import Callable, Sequence
 
 from zero_lab.course.rank_cases.zero3 import (
@@ -25,6 +24,13 @@ from zero_lab.course.rank_cases.zero3 import (
     shard_numel,
 )
 from zero_lab.grading.framework import SUMMED_NOT_AVERAGED_HINT, fail, first_values_differ, passed
+from zero_lab.grading.rank_reports import (
+    case_record,
+    chosen_cases,
+    passed_cases,
+    readable,
+    world_size,
+)
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
 
 RTOL, ATOL = 1e-10, 1e-12  # float64 all the way: only the order of additions differs
@@ -88,56 +94,6 @@ def _close(got: list[float], expected: list[float]) -> bool:
         abs(g - e) <= ATOL + RTOL * abs(e) for g, e in zip(got, expected, strict=True))
 
 
-@contextlib.contextmanager
-def _readable(name: str, where: str):
-    """A report that is not what the rank script writes fails the check, with its place."""
-    try:
-        yield
-    except (KeyError, IndexError, TypeError, ValueError, AttributeError, OverflowError,
-            RecursionError) as exc:
-        fail(name, f"{where}: the ranks' report could not be read ({type(exc).__name__}: "
-                   f"{str(exc)[:80]})", "run the check again; if it repeats, the report was "
-                                        "changed on its way here")
-
-
-def _world(name: str, reports: list) -> int:
-    with _readable(name, "the launch"):
-        n = int(reports[0]["world_size"])
-        if n < 1 or len(reports) != n:
-            raise ValueError(f"{len(reports)} reports for {n} ranks")
-    return n
-
-
-def _chosen(name: str, all_cases: list[UnitCase], cases: Sequence[int] | None):
-    """[(k, case)] to judge: every case, or the 1-based numbers `cases`."""
-    numbers = range(1, len(all_cases) + 1) if cases is None else list(cases)
-    for k in numbers:
-        if not (isinstance(k, int) and 1 <= k <= len(all_cases)):
-            fail(name, f"there is no case {k!r}: the cases are 1 to {len(all_cases)}")
-    return [(k, all_cases[k - 1]) for k in numbers]
-
-
-def _record(name: str, report, k: int, case: UnitCase, rank: int) -> dict:
-    """Rank `rank`'s record of case k; the check fails where the rank did not report it."""
-    where = f"case {k} ({case.label}), rank {rank}"
-    results = report.get("results") if isinstance(report, dict) else None
-    found = [r for r in results if isinstance(r, dict) and r.get("case") == k] if (
-        isinstance(results, list)) else []
-    if not found:
-        fail(name, f"{where}: the rank reported nothing for this case",
-             "run the check again; if it repeats, the ranks stopped before this case")
-    error = found[0].get("error")
-    if error is not None:
-        fail(name, f"{where} raised: {str(error)[:300]}")
-    return found[0]
-
-
-def _passed_line(all_cases: list, chosen: list) -> str:
-    if len(chosen) == len(all_cases):
-        return f"{len(chosen)}/{len(all_cases)} units"
-    return f"case {', '.join(str(k) for k, _ in chosen)} of {len(all_cases)}"
-
-
 # ------------------------------------------------------------------ materialize / release
 
 
@@ -164,9 +120,9 @@ def judge_materialize_release(name: str, reports: list[dict], seed: int | None =
     `seed` picks the cases the ranks ran (None: the notebook's); `cases`, the 1-based
     numbers of those to judge (None: all of them).
     """
-    n = _world(name, reports)
+    n = world_size(name, reports)
     all_cases = materialize_release_cases(seed)
-    chosen = _chosen(name, all_cases, cases)
+    chosen = chosen_cases(name, all_cases, cases)
     expected = {}
     for k, case in chosen:  # the unsharded module's parameters and gradients
         params = list(build_module(case).parameters())
@@ -174,13 +130,13 @@ def judge_materialize_release(name: str, reports: list[dict], seed: int | None =
                        [p.detach().reshape(-1).tolist() for p in params],
                        flat(case, params, n),
                        [g.reshape(-1).tolist() for g in reference_gradients(case)])
-    for rank, report in enumerate(reports):
+    for rank in range(n):
         for k, case in chosen:
-            r = _record(name, report, k, case, rank)
+            r = case_record(name, reports, rank, k, f"case {k} ({case.label})")
             where = f"case {k} ({case.label}), rank {rank}"
-            with _readable(name, where):
+            with readable(name, where):
                 _judge_unit(name, where, case, n, rank, r, *expected[k])
-    passed(name, f"{_passed_line(all_cases, chosen)} pass on {n} ranks: one all-gather "
+    passed(name, f"{passed_cases(all_cases, chosen, 'units')} pass on {n} ranks: one all-gather "
                  "each, storage freed in place",
            "you wrote stage 3's gather, use and free: one unit is whole at a time")
 
@@ -271,12 +227,12 @@ def judge_post_backward(name: str, reports: list[dict], seed: int | None = None,
 
     `seed` and `cases` as for judge_materialize_release.
     """
-    n = _world(name, reports)
+    n = world_size(name, reports)
     all_cases = post_backward_cases(seed)
-    chosen = _chosen(name, all_cases, cases)
-    for rank, report in enumerate(reports):
+    chosen = chosen_cases(name, all_cases, cases)
+    for rank in range(n):
         for k, case in chosen:
-            r = _record(name, report, k, case, rank)
+            r = case_record(name, reports, rank, k, f"case {k} ({case.label})")
             calls = r.get("calls")
             if not isinstance(calls, list) or len(calls) < case.calls:
                 fail(name, f"case {k} ({case.label}), rank {rank}: the rank reported "
@@ -285,10 +241,10 @@ def judge_post_backward(name: str, reports: list[dict], seed: int | None = None,
                      "run the check again; if it repeats, the ranks stopped early")
             for i in range(case.calls):
                 where = f"case {k} ({case.label}), backward call {i + 1}, rank {rank}"
-                with _readable(name, where):
+                with readable(name, where):
                     _judge_call(name, where, case, n, rank, i, calls[i])
     counts = " or ".join(str(c) for c in sorted({case.calls for _, case in chosen}))
-    passed(name, f"{_passed_line(all_cases, chosen)} x {counts} backward calls pass on "
+    passed(name, f"{passed_cases(all_cases, chosen, 'units')} x {counts} backward calls pass on "
                  f"{n} ranks: slice averaged and added, unit freed",
            "you finished stage 3: each unit's gradient is reduce-scattered and freed in backward")
 
