@@ -113,7 +113,7 @@ def ledger_records(ledger: CommLedger) -> list[dict]:
 
 
 def run_exercises(argv: list[str], runners: dict, extra: dict | None = None) -> None:
-    """SOURCE_FILE [--seed N] EXERCISE:FUNCTION[,FUNCTION] [...]: run each in turn on every rank.
+    """SOURCE_FILE [--seed N] [--stacks-at T] EXERCISE:FUNCTION[,FUNCTION] [...] on every rank.
 
     The learner's functions are loaded from SOURCE_FILE (with torch, dist, nn, math and
     `extra` in scope) and `runners[EXERCISE](*functions, out, seed)` fills a record reported
@@ -121,16 +121,20 @@ def run_exercises(argv: list[str], runners: dict, extra: dict | None = None) -> 
     the batch grader's, drawn from the instructor's seed: zero_lab/course/rank_cases/). The
     record is reported even when a function raises, with the error in the record of the case
     that raised; the exception then propagates, so that torchrun stops every rank at once
-    instead of leaving the others waiting in a collective.
+    instead of leaving the others waiting in a collective. `--stacks-at T`: see dump_stacks_at.
     """
     from zero_lab.launch import init_worker, report
 
     source_file, *runs = argv
-    seed = None
+    seed = stacks_at = None
     if runs[:1] == ["--seed"]:
         seed, runs = int(runs[1]), runs[2:]
+    if runs[:1] == ["--stacks-at"]:
+        stacks_at, runs = float(runs[1]), runs[2:]
     namespace = load_learner_code(source_file, extra)
     info = init_worker()
+    if stacks_at is not None:
+        dump_stacks_at(stacks_at, info.rank)
     for key in runs:
         exercise, names = key.split(":")
         out: dict = {"world_size": info.world_size}
@@ -138,3 +142,28 @@ def run_exercises(argv: list[str], runners: dict, extra: dict | None = None) -> 
             runners[exercise](*(namespace[name] for name in names.split(",")), out, seed)
         finally:
             report({key: out})
+
+
+# Kept open until the process ends: faulthandler writes to its file descriptor from C.
+_stacks_file = None
+
+
+def dump_stacks_at(at: float, rank: int) -> None:
+    """If this rank still runs at wall-clock time `at`, write its threads' Python stacks to
+    `rank{rank}.stacks` in the run directory.
+
+    The grader stops a launch that runs past its limit just after `at`, then reads where each
+    rank was (zero_lab.grading.hang): in the learner's own code, or waiting in which
+    collective. faulthandler writes from a C thread, so a rank blocked inside gloo, where no
+    Python code runs, still says where it is.
+    """
+    import faulthandler
+    import os
+    import time
+    from pathlib import Path
+
+    from zero_lab.launch.rank_side import ENV_RUN_DIR
+
+    global _stacks_file
+    _stacks_file = open(Path(os.environ[ENV_RUN_DIR]) / f"rank{rank}.stacks", "w")  # noqa: SIM115
+    faulthandler.dump_traceback_later(max(0.1, at - time.time()), file=_stacks_file)

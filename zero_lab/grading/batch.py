@@ -64,13 +64,7 @@ class OnRanks:
 
     exercise: str  # its RankExercise in the check's module, e.g. "SHARDED_STEP"
     judge: str     # judge_<x>(name, reports, seed=None, cases=None) in that module
-    cases: str     # "module:function" in zero_lab.course.rank_cases: its cases for a seed
-    timeout_s: float  # the launch's limit, as the notebook's check sets it
     hang_hint: str = ""  # the check's own hint for a launch that hangs ("": the default)
-
-    def case_count(self, seed: int) -> int:
-        module, function = self.cases.split(":")
-        return len(getattr(importlib.import_module(module), function)(seed))
 
 
 @dataclass(frozen=True)
@@ -81,34 +75,42 @@ class Exercise:
     notebook: str
     functions: tuple[str, ...]
     preamble: str
-    timeout_s: float
+    timeout_s: float | None  # a kernel exercise's limit (on ranks: from its cases, `limit`)
     hidden: Hidden | None = None  # a kernel exercise's cases
     module: str = ""  # an exercise on ranks: the module its check and judge are in
     ranks: OnRanks | None = None
 
+    def limit(self, seed: int, scale: float = 1.0) -> tuple[float, float]:
+        """(the child process's limit, its launch's) in seconds, for the cases of `seed`."""
+        if self.ranks is None:
+            return self.timeout_s * scale, 0.0
+        rank_exercise = getattr(importlib.import_module(self.module), self.ranks.exercise)
+        launch = rank_exercise.limit(seed) * scale
+        return launch + CHILD_MARGIN_S, launch
 
-CASES = "zero_lab.course.rank_cases"
+    def case_count(self, seed: int) -> int:
+        """Points on offer: one per case of `seed`."""
+        if self.hidden is not None:
+            return len(self.hidden.cases(random.Random(f"{seed}:{self.check}")))
+        rank_exercise = getattr(importlib.import_module(self.module), self.ranks.exercise)
+        return len(rank_exercise.cases(seed))
+
+
 # Exercises whose check starts ranks (remote.py), with the names of their pieces.
 ON_RANKS = (
     ("check_ring_reduce_scatter", "nb02_collectives", "02_collectives.ipynb",
      ("my_ring_reduce_scatter",),
-     OnRanks("RING_REDUCE_SCATTER", "judge_ring_reduce_scatter",
-             f"{CASES}.ring:ring_reduce_scatter_cases", 120.0, "RING_HANG_HINT")),
+     OnRanks("RING_REDUCE_SCATTER", "judge_ring_reduce_scatter", "RING_HANG_HINT")),
     ("check_owned_range", "nb03_zero1", "03_zero1.ipynb", ("owned_range",),
-     OnRanks("OWNED_RANGE", "judge_owned_range", f"{CASES}.zero1_zero2:owned_range_cases",
-             180.0)),
+     OnRanks("OWNED_RANGE", "judge_owned_range")),
     ("check_sharded_step", "nb03_zero1", "03_zero1.ipynb", ("sharded_step",),
-     OnRanks("SHARDED_STEP", "judge_sharded_step", f"{CASES}.zero1_zero2:sharded_step_cases",
-             180.0)),
+     OnRanks("SHARDED_STEP", "judge_sharded_step")),
     ("check_bucket_hook", "nb04_zero2", "04_zero2.ipynb", ("on_grad_ready",),
-     OnRanks("BUCKET_HOOK", "judge_bucket_hook", f"{CASES}.zero1_zero2:bucket_hook_cases",
-             180.0)),
+     OnRanks("BUCKET_HOOK", "judge_bucket_hook")),
     ("check_materialize_release", "nb05_zero3", "05_zero3.ipynb", ("materialize", "release"),
-     OnRanks("MATERIALIZE_RELEASE", "judge_materialize_release",
-             f"{CASES}.zero3:materialize_release_cases", 180.0)),
+     OnRanks("MATERIALIZE_RELEASE", "judge_materialize_release")),
     ("check_post_backward", "nb05_zero3", "05_zero3.ipynb", ("post_backward",),
-     OnRanks("POST_BACKWARD", "judge_post_backward", f"{CASES}.zero3:post_backward_cases",
-             180.0)),
+     OnRanks("POST_BACKWARD", "judge_post_backward")),
 )
 # The child's own limit, beyond its launch's: importing torch, the stub probe, the start-up.
 CHILD_MARGIN_S = 60.0
@@ -118,7 +120,7 @@ def exercises() -> list[Exercise]:
     """Every graded exercise, in course order."""
     out = [Exercise(h.check, h.notebook, h.functions, h.preamble, h.timeout_s, h)
            for h in HIDDEN.values()]
-    out += [Exercise(check, nb, fns, RANK_PREAMBLE, on.timeout_s + CHILD_MARGIN_S,
+    out += [Exercise(check, nb, fns, RANK_PREAMBLE, None,
                      module=f"zero_lab.grading.{mod}", ranks=on)
             for check, mod, nb, fns, on in ON_RANKS if check not in HIDDEN]
     return sorted(out, key=lambda e: e.notebook)
@@ -196,7 +198,7 @@ def grade_one(student: str, exercise: Exercise, submission: dict | None, course:
     """Grade one exercise of one student's notebook."""
     hidden, on = exercise.hidden, exercise.ranks
     cases = hidden.cases(random.Random(f"{seed}:{exercise.check}")) if hidden else []
-    g = Graded(student, exercise, max_points=len(cases) if hidden else on.case_count(seed))
+    g = Graded(student, exercise, max_points=len(cases) if hidden else exercise.case_count(seed))
     if submission is None:
         g.status, g.lines = "missing", [f"no readable {exercise.notebook} in the submission"]
         return g
@@ -206,14 +208,14 @@ def grade_one(student: str, exercise: Exercise, submission: dict | None, course:
         return g
     job = {"preamble": exercise.preamble, "source": found.source,
            "functions": list(exercise.functions)}
-    limit = exercise.timeout_s * timeout_scale
+    limit, launch = exercise.limit(seed, timeout_scale)
     if hidden:
         job["calls"] = [pickle.dumps((c.args, c.kwargs)) for c in cases]
     else:
         module = importlib.import_module(exercise.module)
         hint = getattr(module, on.hang_hint) if on.hang_hint else HANG_HINT
         job["ranks"] = {"module": exercise.module, "exercise": on.exercise, "seed": seed,
-                        "check": exercise.check, "timeout": limit - CHILD_MARGIN_S,
+                        "check": exercise.check, "timeout": launch,
                         "hang_hint": hint}
     answers, ended, printed, g.seconds = run_child(job, limit)
     if hidden:

@@ -13,7 +13,6 @@ ops, sizes and world sizes, for the batch grader, grading/hidden.py).
 
 from __future__ import annotations
 
-import math
 import random
 from collections.abc import Callable, Sequence
 
@@ -29,6 +28,7 @@ from zero_lab.grading.framework import Case, fail, passed, run_cases
 from zero_lab.grading.rank_reports import (
     case_record,
     chosen_cases,
+    close,
     passed_cases,
     readable,
     world_size,
@@ -42,7 +42,8 @@ def _ring_probe() -> tuple:
     return torch.zeros(1), torch.zeros(3)
 
 
-RING_REDUCE_SCATTER = RankExercise("ring_exercise.py", "ring_reduce_scatter", _ring_probe)
+RING_REDUCE_SCATTER = RankExercise("ring_exercise.py", "ring_reduce_scatter", _ring_probe,
+                                   ring_reduce_scatter_cases)
 # A ring hangs when a message is never sent, not when a collective is skipped.
 RING_HANG_HINT = ("a rank is waiting for a message no rank sends. Post the step's isend AND "
                   "irecv before waiting on either; send to (rank + 1) % N, receive from "
@@ -51,7 +52,7 @@ ELEMENT_BYTES = {"int64": 8, "float32": 4, "float64": 8}
 SHOWN = 6  # the first values a failure shows, expected against got
 
 
-def check_ring_reduce_scatter(fn: Callable, timeout: float = 120.0) -> None:
+def check_ring_reduce_scatter(fn: Callable, timeout: float | None = None) -> None:
     """Notebook 02: fn(output, input), a ring reduce-scatter (SUM) on isend/irecv only.
 
     Runs the learner's function (from its source) on 3 ranks under gloo, with chunk sizes 1,
@@ -106,11 +107,11 @@ def _judge_case(name: str, where: str, case: RingCase, n: int, rank: int, record
              "accumulate partial sums in a copy (input.clone()), as torch does")
     got, expected = _numbers(record["output"]), reduce_scatter_sum(inputs, rank)
     tol = TOLERANCE[case.dtype]
-    if not _close(got, expected, tol):
+    if not close(got, expected, tol, tol):
         detail = (f"{where}\n  expected (first values): {_shown(expected, case)}"
                   f"\n  got:                     {_shown(got, case)}")
         own = inputs[rank].double().reshape(n, -1)[rank].tolist()
-        if _close(got, own, tol):
+        if close(got, own, tol, tol):
             hint = ("this rank kept its own chunk r without the other ranks' "
                     "contributions: at each step add the incoming chunk to yours")
         elif got and all(v == OUTPUT_FILL for v in got):
@@ -138,12 +139,6 @@ def _numbers(value) -> list[float]:
     if any(isinstance(v, bool) or not isinstance(v, int | float) for v in value):
         raise ValueError("a value that is not a number")
     return [float(v) for v in value]
-
-
-def _close(got: list[float], expected: list[float], tol: float) -> bool:
-    """Every value within tol (absolute and relative) of its expected one; NaN never is."""
-    return len(got) == len(expected) and all(
-        math.isclose(g, e, rel_tol=tol, abs_tol=tol) for g, e in zip(got, expected, strict=True))
 
 
 def _shown(values: list[float], case: RingCase) -> list:

@@ -39,6 +39,8 @@ from zero_lab.grading.rank_reports import (
     as_floats,
     case_record,
     chosen_cases,
+    close,
+    same,
     unreadable,
 )
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
@@ -55,8 +57,10 @@ def _sharded_step_probe() -> tuple:
     return torch.zeros(6), torch.zeros(6), param, torch.optim.SGD([param], lr=0.1)
 
 
-OWNED_RANGE = RankExercise("zero1_zero2_exercises.py", "owned_range", lambda: (10, 3, 0))
-SHARDED_STEP = RankExercise("zero1_zero2_exercises.py", "sharded_step", _sharded_step_probe)
+OWNED_RANGE = RankExercise("zero1_zero2_exercises.py", "owned_range", lambda: (10, 3, 0),
+                           owned_range_cases)
+SHARDED_STEP = RankExercise("zero1_zero2_exercises.py", "sharded_step", _sharded_step_probe,
+                            sharded_step_cases)
 
 
 # --------------------------------------------------------------- reading the ranks' reports
@@ -141,7 +145,7 @@ def check_sharded_step(fn: Callable) -> None:
 
 
 def _close(got: torch.Tensor, expected: torch.Tensor) -> bool:
-    return bool(torch.allclose(got, expected, rtol=RTOL, atol=ATOL))
+    return close(got, expected, RTOL, ATOL)
 
 
 def _sharded_step_verdicts(name: str, reports: list, k: int, case, n: int) -> list[tuple]:
@@ -174,7 +178,7 @@ def _sharded_step_verdicts(name: str, reports: list, k: int, case, n: int) -> li
                 "match_if_summed": _close(got[:numel], ref_sum),
                 "own_slice_match": _close(got[rank * shard:min((rank + 1) * shard, numel)],
                                           ref[rank * shard:(rank + 1) * shard]),
-                "unchanged": bool(torch.equal(got, before)),
+                "unchanged": same(got, before),
                 "expected": ref[:4].tolist(), "got": got[:4].tolist(),
                 "comm": as_comm(name, at, reported.get("comm")),
                 "state_numels": [as_count(name, at, v, "a state size") for v in state],

@@ -22,6 +22,7 @@ from zero_lab.grading.rank_reports import (
     as_floats,
     case_record,
     chosen_cases,
+    close,
     unreadable,
 )
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
@@ -39,7 +40,8 @@ def _bucket_hook_probe() -> tuple:
     return param, GradBucket([param], 3, 0)
 
 
-BUCKET_HOOK = RankExercise("zero1_zero2_exercises.py", "bucket_hook", _bucket_hook_probe)
+BUCKET_HOOK = RankExercise("zero1_zero2_exercises.py", "bucket_hook", _bucket_hook_probe,
+                           bucket_hook_cases)
 
 
 def check_bucket_hook(fn: Callable) -> None:
@@ -125,7 +127,7 @@ def judge_bucket_hook(name: str, reports: list[dict], seed: int | None = None,
                 got = as_floats(name, where, values, expected.numel(),
                                 f"bucket {i}'s owned_grad (this rank's slice)")
                 max_err = max(max_err, float((got - expected).abs().max()))
-                matches.append(bool(torch.allclose(got, expected, rtol=RTOL, atol=ATOL)))
+                matches.append(close(got, expected, RTOL, ATOL))
             if not all(matches):
                 fail(name, f"{where}: owned_grad differs from this rank's slice of the "
                            f"averaged gradient (largest error {max_err:.3g})",

@@ -27,6 +27,7 @@ from zero_lab.grading.framework import SUMMED_NOT_AVERAGED_HINT, fail, first_val
 from zero_lab.grading.rank_reports import (
     case_record,
     chosen_cases,
+    close,
     passed_cases,
     readable,
     world_size,
@@ -57,8 +58,9 @@ def _bare_unit_probe() -> tuple:
 
 
 MATERIALIZE_RELEASE = RankExercise("zero3_exercises.py", "materialize_release",
-                                   _bare_unit_probe)
-POST_BACKWARD = RankExercise("zero3_exercises.py", "post_backward", lambda: (_probe_unit(),))
+                                   _bare_unit_probe, materialize_release_cases)
+POST_BACKWARD = RankExercise("zero3_exercises.py", "post_backward", lambda: (_probe_unit(),),
+                             post_backward_cases)
 
 
 # ------------------------------------------------------------------ reading the reports
@@ -90,8 +92,7 @@ def _comm(value) -> list[dict]:
 
 
 def _close(got: list[float], expected: list[float]) -> bool:
-    return len(got) == len(expected) and all(
-        abs(g - e) <= ATOL + RTOL * abs(e) for g, e in zip(got, expected, strict=True))
+    return close(got, expected, RTOL, ATOL)
 
 
 # ------------------------------------------------------------------ materialize / release

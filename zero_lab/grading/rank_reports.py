@@ -90,6 +90,25 @@ def as_floats(name: str, where: str, value: Any, length: int, what: str) -> torc
     return torch.tensor(value, dtype=torch.float64)
 
 
+def close(got: Any, expected: Any, rtol: float, atol: float) -> bool:
+    """Every value within atol + rtol * |expected| of its expected one, NaN never, compared in
+    plain Python: no torch.allclose that code run in this process could have replaced."""
+    got, expected = _numbers(got), _numbers(expected)
+    return len(got) == len(expected) and all(
+        abs(g - e) <= atol + rtol * abs(e) for g, e in zip(got, expected, strict=True))
+
+
+def same(got: Any, expected: Any) -> bool:
+    """Exactly the same values, compared in plain Python (see `close`)."""
+    return _numbers(got) == _numbers(expected)
+
+
+def _numbers(values: Any) -> list[float]:
+    if isinstance(values, torch.Tensor):
+        values = values.detach().reshape(-1).tolist()
+    return [float(v) for v in values]
+
+
 def as_count(name: str, where: str, value: Any, what: str) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < 0:
         unreadable(name, where, f"{what}: expected a count, got {str(value)[:40]}")

@@ -20,11 +20,13 @@ import json
 import shutil
 import tempfile
 import textwrap
+import time
 import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from zero_lab.grading import hang
 from zero_lab.grading.framework import (
     NOT_IMPLEMENTED_HINT,
     ExerciseFailed,
@@ -44,17 +46,29 @@ HANG_HINT = ("a rank is waiting in a collective that another rank never called (
              "case in a few seconds")
 
 
+START_S = 60.0  # 3 ranks importing torch and meeting, on a busy 2-core laptop
+CASE_S = 10.0   # each case; the reference needs well under a second (as CASE_SECONDS in the kernel)
+STACKS_BEFORE_S = 3.0  # the ranks write where they are this long before the limit (hang.py)
+
+
 @dataclass(frozen=True)
 class RankExercise:
     """An exercise graded on ranks: `script` in zero_lab/workers/ runs it under `name`.
 
     `probe()` returns fresh dummy arguments for one call outside any process group: a stub
     raises NotImplementedError on them at once, a real attempt fails at its first collective.
+    `cases(seed)` lists the cases the script runs for a seed (zero_lab/course/rank_cases/):
+    the launch's time limit is derived from their number.
     """
 
     script: str
     name: str
     probe: Callable[[], tuple]
+    cases: Callable[[int | None], Sequence]
+
+    def limit(self, seed: int | None = None) -> float:
+        """Seconds a launch of this exercise gets: START_S, then CASE_S per case."""
+        return START_S + CASE_S * len(self.cases(seed))
 
 
 def exercise_key(exercise: RankExercise, fns: Sequence[Callable]) -> str:
@@ -102,13 +116,14 @@ def is_stub(fn: Callable, args: tuple, check: str = "check") -> bool:
 
 
 def run_on_ranks(check: str, runs: Sequence[tuple[RankExercise, Sequence[Callable]]],
-                 timeout: float = 180.0, hang_hint: str = HANG_HINT,
+                 timeout: float | None = None, hang_hint: str = HANG_HINT,
                  nproc: int = RANKS, seed: int | None = None) -> dict[str, list[dict]]:
     """Run each (exercise, functions), all in one launch of their script on `nproc` ranks.
 
     Returns {exercise_key: [the report of rank 0, rank 1, ...]}. Several runs share a launch
     (the tests grade a reference and its wrong answers together); they must share a script.
     `seed` picks the cases: None, the notebook's; an int, the batch grader's (rank_cases/).
+    `timeout` (seconds) defaults to the sum of the exercises' limits for those cases.
     """
     scripts = {exercise.script for exercise, _ in runs}
     if len(scripts) != 1:
@@ -120,6 +135,13 @@ def run_on_ranks(check: str, runs: Sequence[tuple[RankExercise, Sequence[Callabl
             if is_stub(fn, exercise.probe(), check):
                 fail(check, "not implemented yet", NOT_IMPLEMENTED_HINT)
     keys = [exercise_key(exercise, fns) for exercise, fns in runs]
+    if timeout is None:
+        cases = sum(len(exercise.cases(seed)) for exercise, _ in runs)
+        timeout = START_S * len(runs) + CASE_S * cases
+        limit = (f"{timeout:.0f} s ({START_S:.0f} s to start, {CASE_S:.0f} s for each of its "
+                 f"{cases} cases)")
+    else:
+        limit = f"{timeout:.0f} s"
 
     # The ranks take seconds to start and run the cases: say so, or the cell looks stuck.
     names = " and ".join(f"{fn.__name__}()" for _, fns in runs for fn in fns)
@@ -127,21 +149,23 @@ def run_on_ranks(check: str, runs: Sequence[tuple[RankExercise, Sequence[Callabl
     with tempfile.TemporaryDirectory(prefix=f"zero_lab-{check}-") as folder:
         learner = Path(folder) / "learner.py"
         learner.write_text("\n\n".join(sources.values()), encoding="utf-8")
+        stacks_at = ["--stacks-at", f"{time.time() + max(timeout - STACKS_BEFORE_S, 1.0):.1f}"]
         try:
             with warnings.catch_warnings():  # the checks time nothing: 3 ranks on 2 cores do
                 warnings.simplefilter("ignore", CapacityWarning)
                 result = torchrun(WORKERS / scripts.pop(), nproc=nproc, timeout=timeout,
                                   backend="gloo", stream=False,
-                                  args=[str(learner), *seed_args(seed), *keys])
+                                  args=[str(learner), *seed_args(seed), *stacks_at, *keys])
         except LaunchError as exc:
-            reports = judge_failed_launch(check, exc, nproc, keys, timeout, hang_hint)
+            reports = judge_failed_launch(check, exc, nproc, keys, limit, hang_hint,
+                                          learner.read_text(encoding="utf-8"))
         else:
             reports = result.ranks
     return {key: [rank_report[key] for rank_report in reports] for key in keys}
 
 
 def judge_failed_launch(check: str, exc: LaunchError, nproc: int, keys: Sequence[str],
-                        timeout: float, hang_hint: str) -> list[dict]:
+                        limit: str, hang_hint: str, learner_source: str = "") -> list[dict]:
     """The reports of a launch that failed after its work was done, or the learner's verdict.
 
     Either way the launch's logs are removed, unless the verdict sends the learner to them.
@@ -149,8 +173,7 @@ def judge_failed_launch(check: str, exc: LaunchError, nproc: int, keys: Sequence
     keep = False
     try:
         if isinstance(exc, LaunchTimeout):
-            fail(check, f"the {nproc} ranks did not finish within {timeout:.0f} s"
-                        f"{unfinished(exc.run_dir, nproc, keys)}", hang_hint)
+            timed_out(check, exc.run_dir, nproc, keys, limit, hang_hint, learner_source)
         reports = complete_reports(exc.run_dir, nproc, keys)
         if reports is None:
             explain_rank_error(check, exc, nproc)  # raises ExerciseFailed
@@ -163,10 +186,28 @@ def judge_failed_launch(check: str, exc: LaunchError, nproc: int, keys: Sequence
             shutil.rmtree(exc.run_dir, ignore_errors=True)
 
 
-def unfinished(run_dir: Path | None, nproc: int, keys: Sequence[str]) -> str:
-    """Which ranks had not reported when the launch was stopped (those still running it)."""
+def timed_out(check: str, run_dir: Path | None, nproc: int, keys: Sequence[str], limit: str,
+              hang_hint: str, learner_source: str) -> None:
+    """The verdict on a launch stopped at its limit: which ranks were still running, where each
+    was (hang.py), and the advice that fits: a collective mismatch only when every rank that
+    said where it was waited in a collective."""
+    late = late_ranks(run_dir, nproc, keys)
+    found = hang.places(run_dir, late, learner_source)
+    if not late:
+        who = ""
+    elif len(late) == nproc:
+        who = " (every rank was still running)"
+    else:
+        who = f" (still running: rank {', '.join(map(str, late))}; the others had finished)"
+    where = "".join(f"\n  {place.says()}" for place in found)
+    hint = hang_hint if not found or hang.all_waiting(found) else hang.running_hint(found)
+    fail(check, f"the {nproc} ranks did not finish within {limit}{who}{where}", hint)
+
+
+def late_ranks(run_dir: Path | None, nproc: int, keys: Sequence[str]) -> list[int]:
+    """The ranks that had not reported every key when the launch was stopped."""
     if run_dir is None:
-        return ""
+        return []
     late = []
     for rank in range(nproc):
         path = run_dir / f"rank{rank}.json"
@@ -175,10 +216,8 @@ def unfinished(run_dir: Path | None, nproc: int, keys: Sequence[str]) -> str:
         except (OSError, ValueError):
             done = False
         if not done:
-            late.append(str(rank))
-    if not late or len(late) == nproc:
-        return " (every rank was still running)" if late else ""
-    return f" (still running: rank {', '.join(late)}; the others had finished)"
+            late.append(rank)
+    return late
 
 
 def complete_reports(run_dir: Path | None, nproc: int, keys: Sequence[str]) -> list[dict] | None:
@@ -208,7 +247,7 @@ def seed_args(seed: int | None) -> list[str]:
 
 
 def run_exercise(check: str, exercise: RankExercise, fns: Sequence[Callable],
-                 timeout: float = 180.0, hang_hint: str = HANG_HINT,
+                 timeout: float | None = None, hang_hint: str = HANG_HINT,
                  seed: int | None = None) -> list[dict]:
     """The per-rank reports of one exercise, in a launch of its own (what a check does)."""
     runs = run_on_ranks(check, [(exercise, fns)], timeout, hang_hint, seed=seed)
