@@ -24,6 +24,9 @@ CASES = REPO_ROOT / "tests" / "workers" / "checkpoint_cases.py"
 sys.path.insert(0, str(CASES.parent))
 from checkpoint_cases import Net  # noqa: E402
 
+# Launches that fail on purpose keep their logs: in pytest's temp dir (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("temp_dir")
+
 
 def launch(nproc: int, **jobs: dict) -> dict[str, list[dict]]:
     """One launch on `nproc` ranks running the named jobs in turn (see checkpoint_cases.py);

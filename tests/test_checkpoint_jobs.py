@@ -39,6 +39,9 @@ from zero_lab.launch.paths import REPO_ROOT
 sys.path.insert(0, str(REPO_ROOT / "tests" / "workers"))
 from checkpoint_cases import Net, adamw, train  # noqa: E402
 
+# Launches that fail on purpose keep their logs: in pytest's temp dir (tests/conftest.py).
+pytestmark = pytest.mark.usefixtures("temp_dir")
+
 A_STEP = 5  # job A's checkpoint; job B tries to save step 7 to the same name
 
 

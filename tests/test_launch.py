@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 
 from zero_lab.launch import LaunchError, LaunchResult, LaunchTimeout, report, torchrun
+from zero_lab.launch.paths import REPO_ROOT
 
 PROBE = Path(__file__).parent / "workers" / "probe.py"
 
@@ -76,6 +77,8 @@ def test_every_rank_reports_and_rank0_streams(nproc, probe_run):
     expected_sum = nproc * (nproc + 1) / 2
     for r, rep in enumerate(result.ranks):
         assert rep.pop("run_id").startswith("zero_lab-probe-")  # the launch's own rendezvous
+        scratch = Path(rep.pop("scratch"))  # in the launch's own folder, shared by the ranks
+        assert scratch.name == "scratch" and scratch.parent.name.startswith("zero_lab-probe-")
         assert rep == {
             "rank": r, "world_size": nproc, "backend": "gloo", "sum": expected_sum,
             "omp_threads": "1", "marker": marker, "env_backend": "gloo", "pet": [],
@@ -89,7 +92,19 @@ def test_every_rank_reports_and_rank0_streams(nproc, probe_run):
 
 
 def test_a_successful_launch_leaves_no_folder_behind(probe_run):
-    assert probe_run(2).left_in_temp == []
+    assert probe_run(2).left_in_temp == []  # its scratch folder (tests/workers/probe.py) too
+
+
+RANK_SCRIPTS = (*(REPO_ROOT / "zero_lab" / "workers").glob("*.py"),
+                *(REPO_ROOT / "tests" / "workers").glob("*.py"))
+
+
+@pytest.mark.parametrize("script", RANK_SCRIPTS, ids=lambda p: p.name)
+def test_rank_scripts_write_in_their_launch_folder_not_the_shared_temp(script):
+    # A folder made with mkdtemp outlives the launch: the test workers had left ~170 of them
+    # in /tmp (checkpoints of stage3_reads, accumulation and overlap cases) over a day of runs.
+    assert "mkdtemp(" not in script.read_text(), (
+        f"{script.name}: use zero_lab.launch.scratch_folder(name), removed with the launch")
 
 
 def test_a_failed_launch_keeps_its_logs_and_names_them(temp_dir):

@@ -26,8 +26,8 @@ from zero_lab.grading.remote import (
 from zero_lab.launch.failures import failure
 
 WORKER = str(Path(__file__).parent / "workers" / "launch_exercise.py")
-ABORT_BEFORE = RankExercise(WORKER, "abort_before", lambda: (torch.ones(1),))
-ABORT_AFTER = RankExercise(WORKER, "abort_after", lambda: (torch.ones(1),))
+ABORT_BEFORE = RankExercise(WORKER, "abort_before", lambda: (torch.ones(1),), lambda seed: [1])
+ABORT_AFTER = RankExercise(WORKER, "abort_after", lambda: (torch.ones(1),), lambda seed: [1])
 
 
 def summed(t):

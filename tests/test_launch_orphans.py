@@ -16,8 +16,9 @@ from zero_lab.launch import LaunchTimeout, torchrun
 from zero_lab.launch.paths import REPO_ROOT
 
 WORKER = REPO_ROOT / "tests" / "workers" / "launch_orphan.py"
-pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"),
-                                reason="the subreaper is Linux's (prctl)")
+pytestmark = [pytest.mark.skipif(not sys.platform.startswith("linux"),
+                                 reason="the subreaper is Linux's (prctl)"),
+              pytest.mark.usefixtures("temp_dir")]  # its failed launches' logs: not in /tmp
 
 
 def left_behind(pid_dir) -> list[int]:

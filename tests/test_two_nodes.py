@@ -25,7 +25,7 @@ def _free_port() -> int:
 
 def test_stage3_on_two_nodes_of_two_ranks_equals_one_process(tmp_path):
     port, out = _free_port(), tmp_path / "result.json"
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TMPDIR": str(tmp_path),  # torchelastic_*
            "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(WORKER.parent)])}
     agents = [subprocess.Popen(
         [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2",

@@ -11,7 +11,6 @@ step's peak and step times.
 
 from __future__ import annotations
 
-import tempfile
 import time
 from contextlib import nullcontext
 
@@ -22,7 +21,7 @@ from stage_cases import error_message
 from zero_lab import checkpoint
 from zero_lab.collectives import CommLedger
 from zero_lab.course import workloads as W
-from zero_lab.launch import init_worker, report
+from zero_lab.launch import init_worker, report, scratch_folder
 from zero_lab.measure.memory import PeakMemory, held_bytes
 from zero_lab.stages import full_state_dict, shard
 
@@ -161,11 +160,10 @@ def keep_gathered_habits(rank: int, world: int, ref_state: dict) -> dict:
     except RuntimeError as exc:
         out["guard"] = str(exc)
     # A checkpoint of the kept-gathered model, loaded into a fresh one: same weights.
-    directory = [tempfile.mkdtemp(prefix="accum_ckpt_") if rank == 0 else None]
-    dist.broadcast_object_list(directory, src=0)
-    checkpoint.save(model, opt, directory[0])
+    directory = scratch_folder("accum_ckpt")
+    checkpoint.save(model, opt, directory)
     fresh, fresh_opt = sharded(rank + 1, 3, "sharded", False)
-    checkpoint.load(fresh, fresh_opt, directory[0])
+    checkpoint.load(fresh, fresh_opt, directory)
     loaded = full_state_dict(fresh)
     out["checkpoint_diff"] = max((loaded[n] - full[n]).abs().max().item() for n in full)
     # One more step on each from there: still the same.

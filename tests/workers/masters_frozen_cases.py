@@ -17,9 +17,6 @@ tests/test_frozen_stage3.py: one launch for both.
 from __future__ import annotations
 
 import copy
-import shutil
-import tempfile
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -27,7 +24,7 @@ from torch import nn
 
 from zero_lab import checkpoint
 from zero_lab.collectives import CommLedger
-from zero_lab.launch import init_worker, report
+from zero_lab.launch import init_worker, report, scratch_folder
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference, to_compute_dtype
 
@@ -249,17 +246,13 @@ def frozen_stage3(rank: int, world: int) -> dict:
               "frozen_numel": u.frozen.group.numel if u.frozen else 0}
              for u in opt.sync.units]
     # zero_lab.checkpoint: the frozen pieces saved whole, loaded back as this rank's pieces
-    where = [tempfile.mkdtemp(prefix="frozen_ckpt_") if rank == 0 else None]
-    dist.broadcast_object_list(where, src=0)
-    checkpoint.save(model, opt, Path(where[0]) / "ckpt", step=3)
+    where = scratch_folder("frozen_ckpt")
+    checkpoint.save(model, opt, where / "ckpt", step=3)
     torch.manual_seed(4)  # another initialisation, overwritten by the load
     other, other_opt = shard(LoRANet(), 3, lambda ps: torch.optim.Adam(ps, lr=1e-2))
-    checkpoint.load(other, other_opt, Path(where[0]) / "ckpt")
+    checkpoint.load(other, other_opt, where / "ckpt")
     loaded = full_state_dict(other)
-    whole = checkpoint.consolidate(Path(where[0]) / "ckpt")
-    dist.barrier()
-    if rank == 0:
-        shutil.rmtree(where[0])
+    whole = checkpoint.consolidate(where / "ckpt")
     return {"checkpoint_exact": all(torch.equal(loaded[k], full[k]) for k in full),
             "consolidated_exact": all(torch.equal(whole[k], full[k]) for k in full),
             "at_rest": {m: sum(b.values()) for m, b in storages.items()},

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import tempfile
 import time
 
 import torch
@@ -29,6 +28,7 @@ from torch import nn
 from zero_lab import checkpoint
 from zero_lab.collectives import CommLedger
 from zero_lab.course import workloads as W
+from zero_lab.launch import scratch_folder
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 
@@ -391,8 +391,7 @@ def run(rank: int, world: int) -> dict:
              if not (c == "bf16" and wide)]
     out: dict = {"cases": cases}
     if world == 2:
-        base = [tempfile.mkdtemp(prefix="zero_lab_overlap_") if rank == 0 else None]
-        dist.broadcast_object_list(base, src=0)  # one directory, the same on every rank
+        base = [scratch_folder("overlap")]  # one directory, the same on every rank
         readers = {}
         for mutant in (False, True):
             for variant in ("stage1_param_gather", "stage2_param_gather"):

@@ -7,7 +7,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from zero_lab.launch import init_worker, report
+from zero_lab.launch import init_worker, report, scratch_folder
 
 parser = argparse.ArgumentParser()
 parser.add_argument("--fail-rank", type=int, default=None)
@@ -23,7 +23,10 @@ dist.all_reduce(total)
 for i in range(opts.lines):
     print(f"line {i} from rank {info.rank}")
 
-report({"rank": info.rank, "world_size": info.world_size, "backend": info.backend})
+scratch = scratch_folder("scratch")  # the same folder on every rank, gone with the launch
+(scratch / f"rank{info.rank}").write_text("written")
+report({"rank": info.rank, "world_size": info.world_size, "backend": info.backend,
+        "scratch": str(scratch)})
 report({  # a second call merges into the first
     "sum": total.item(),
     "omp_threads": os.environ.get("OMP_NUM_THREADS"),

@@ -26,11 +26,9 @@ What keeps working, equal to one process:
 
 from __future__ import annotations
 
-import tempfile
 import warnings
 
 import torch
-import torch.distributed as dist
 from contract_habits import run_cases  # a sibling worker: one launch runs every case
 from stage_cases import error_message  # a sibling worker: `Type: message` of what fn() raises
 from torch import nn
@@ -38,7 +36,7 @@ from torch.utils.checkpoint import checkpoint
 
 from zero_lab import checkpoint as zero_checkpoint
 from zero_lab.course import workloads as W
-from zero_lab.launch import init_worker, report
+from zero_lab.launch import init_worker, report, scratch_folder
 from zero_lab.stages import full_state_dict, shard
 from zero_lab.stages.mixed_precision import mixed_precision_reference
 
@@ -245,11 +243,10 @@ def habits(rank: int, world: int) -> list[dict]:
             trained = full_state_dict(model)
             model.load_state_dict(new)
             result["after_load"] = max_diff(full_state_dict(model), new)
-            directory = [tempfile.mkdtemp(prefix="stage3_reads_") if rank == 0 else None]
-            dist.broadcast_object_list(directory, src=0)
-            zero_checkpoint.save(model, opt, directory[0])
+            directory = scratch_folder(f"stage3_reads_{precision}")
+            zero_checkpoint.save(model, opt, directory)
             train(model, opt, lambda s: W.rank_slice(batch(s), rank, world))  # moves away
-            zero_checkpoint.load(model, opt, directory[0])
+            zero_checkpoint.load(model, opt, directory)
             result["after_checkpoint"] = max_diff(full_state_dict(model), new)
         except Exception as exc:  # noqa: BLE001
             result["error"] = f"{type(exc).__name__}: {exc}"

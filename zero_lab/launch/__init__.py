@@ -61,10 +61,11 @@ from zero_lab.launch.rank_side import (
     WorkerInfo,
     init_worker,
     report,
+    scratch_folder,
 )
 
 __all__ = ["torchrun", "resolve_backend", "LaunchResult", "LaunchError", "LaunchTimeout",
-           "init_worker", "report", "WorkerInfo"]
+           "init_worker", "report", "scratch_folder", "WorkerInfo"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 

@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 import traceback
 from dataclasses import dataclass
@@ -94,6 +95,17 @@ def _import_group_defaults() -> None:
     for name in _MODULES_BINDING_WORLD:
         with contextlib.suppress(ImportError):
             importlib.import_module(name)
+
+
+def scratch_folder(name: str) -> Path:
+    """The folder `name` in this launch's own folder, made if missing: the same path on every
+    rank of the machine, so no rank has to broadcast it. It goes with the launch's logs: removed
+    when the launch succeeds, kept beside them when it fails. Outside a launch, a new
+    temporary folder (a worker run as a plain script)."""
+    run_dir = os.environ.get(ENV_RUN_DIR)
+    folder = (Path(run_dir) if run_dir else Path(tempfile.mkdtemp(prefix="zero_lab-"))) / name
+    folder.mkdir(exist_ok=True)
+    return folder
 
 
 _reported: dict = {}
