@@ -223,12 +223,12 @@ def test_bad_input_is_named(tmp_path):
 
 
 def test_every_graded_exercise_is_in_the_batch_grader():
-    """The fifteen exercises: a check the notebooks call, found here with its module."""
+    """The seventeen exercises: a check the notebooks call, found here with its module."""
     import zero_lab.grading as grading
 
     found = {e.check: e for e in batch.exercises()}
     checks = {name for name in grading.__all__ if name.startswith("check_")}
-    assert set(found) == checks and len(found) == 15
+    assert set(found) == checks and len(found) == 17
     for e in found.values():
         if e.hidden is None:
             assert getattr(grading, e.check).__module__ == e.module

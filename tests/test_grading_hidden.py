@@ -25,6 +25,7 @@ KERNEL_EXERCISES = [
     "check_bytes_per_param", "check_per_rank_bytes", "check_largest_model",
     "check_ring_bytes_sent", "check_exposed_communication", "check_most_exposed_unit",
     "check_stage_choice", "check_accumulation_bytes", "check_hsdp_bytes",
+    "check_global_grad_norm", "check_fully_shard_plan",
 ]
 ENTRIES = [HIDDEN[name] for name in KERNEL_EXERCISES]
 IDS = [h.check for h in ENTRIES]

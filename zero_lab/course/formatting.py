@@ -32,3 +32,23 @@ def spread(values: list[float], decimals: int) -> str:
     """Repeated measurements as 'median (min-max)': a spread, never a single number."""
     return (f"{statistics.median(values):.{decimals}f} "
             f"({min(values):.{decimals}f}-{max(values):.{decimals}f})")
+
+
+def table(rows: list[dict]) -> str:
+    """Rows of equal keys as a fixed-width text table: a header of the keys, numbers right-
+    aligned with thousands separators, text left-aligned."""
+    if not rows:
+        return "(no rows)"
+    keys = list(rows[0])
+    cells = [[f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
+              for v in (row[k] for k in keys)] for row in rows]
+    widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
+    numeric = [all(isinstance(r[k], int | float) and not isinstance(r[k], bool) for r in rows)
+               for k in keys]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric, strict=True)).rstrip()
+
+    head = line(keys)
+    return "\n".join([head, "-" * len(head), *(line(c) for c in cells)])

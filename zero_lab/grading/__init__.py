@@ -23,6 +23,7 @@ reference solution fenced by `### BEGIN SOLUTION` / `### END SOLUTION`; the next
     nb06_profiler.py    reading a trace: exposed communication, the most exposed unit
     nb07_scaling.py     from how many GPUs each stage fits (what turns a stage choice)
     nb08_knobs.py       bytes per optimizer step under accumulation; HSDP's bytes per level
+    nb09_fsdp2.py       the gradient norm from the shards' norms; the fully_shard plan of a model
 
 This is the parent side: it starts the rank scripts in zero_lab/workers/, never imports them;
 what both sides need (GradBucket, BareUnit) lives in `zero_lab.course.exercises`.
@@ -41,6 +42,7 @@ from zero_lab.grading.nb05_zero3 import check_materialize_release, check_post_ba
 from zero_lab.grading.nb06_profiler import check_exposed_communication, check_most_exposed_unit
 from zero_lab.grading.nb07_scaling import check_stage_choice
 from zero_lab.grading.nb08_knobs import check_accumulation_bytes, check_hsdp_bytes
+from zero_lab.grading.nb09_fsdp2 import check_fully_shard_plan, check_global_grad_norm
 from zero_lab.grading.student import (
     BEGIN_MARK,
     END_MARK,
@@ -59,6 +61,8 @@ __all__ = [
     "check_bucket_hook",
     "check_bytes_per_param",
     "check_exposed_communication",
+    "check_fully_shard_plan",
+    "check_global_grad_norm",
     "check_hsdp_bytes",
     "check_largest_model",
     "check_materialize_release",

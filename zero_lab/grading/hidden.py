@@ -33,6 +33,7 @@ from zero_lab.grading import nb02_collectives as nb02
 from zero_lab.grading import nb06_profiler as nb06
 from zero_lab.grading import nb07_scaling as nb07
 from zero_lab.grading import nb08_knobs as nb08
+from zero_lab.grading import nb09_fsdp2 as nb09
 from zero_lab.grading.framework import Case, same
 
 TIMEOUT_S = 20.0  # each exercise's limit: the references run in milliseconds
@@ -64,10 +65,15 @@ NB06_PREAMBLE = ("from zero_lab.profiling import intervals as iv  # notebook 06,
 NB07_PREAMBLE = "import math  # notebook 07, cell 75794248\n"
 # Notebook 08: `import math` from its parameter check and imports cells (2c56ee50, 694bf5be).
 NB08_PREAMBLE = "import math  # notebook 08, cells 2c56ee50 and 694bf5be\n"
+# Notebook 09: `math` (math.inf, exercise 1) and `nn` (nn.Module in exercise 2's signature),
+# both from its imports cell (id 0f9a7c31).
+NB09_PREAMBLE = ("import math  # notebook 09, imports cell 0f9a7c31\n"
+                 "from torch import nn  # notebook 09, imports cell 0f9a7c31\n")
 
 NB01 = "01_memory_accounting.ipynb"
 NB06 = "06_profiler_analysis.ipynb"
 NB08 = "08_knobs.ipynb"
+NB09 = "09_fsdp2.ipynb"
 
 _ENTRIES = (
     Hidden("check_bytes_per_param", NB01, ("my_bytes_per_param",), NB01_PREAMBLE, TIMEOUT_S,
@@ -88,6 +94,10 @@ _ENTRIES = (
            nb08.accumulation_bytes_cases, nb08.nonzero_ops_equal, nb08.ACCUMULATION_WRONG),
     Hidden("check_hsdp_bytes", NB08, ("hsdp_bytes",), NB08_PREAMBLE, TIMEOUT_S,
            nb08.hsdp_bytes_cases, nb08.hsdp_compare, nb08.HSDP_WRONG),
+    Hidden("check_global_grad_norm", NB09, ("global_grad_norm",), NB09_PREAMBLE, TIMEOUT_S,
+           nb09.global_grad_norm_cases, nb09.close_float, nb09.GRAD_NORM_WRONG),
+    Hidden("check_fully_shard_plan", NB09, ("fully_shard_plan",), NB09_PREAMBLE, TIMEOUT_S,
+           nb09.fully_shard_plan_cases, nb09.plan_equal, nb09.PLAN_WRONG),
 )
 
 HIDDEN: dict[str, Hidden] = {h.check: h for h in _ENTRIES}
