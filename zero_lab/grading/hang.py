@@ -21,7 +21,16 @@ from pathlib import Path
 from zero_lab.course.exercises import LEARNER_FILE
 
 _FRAME = re.compile(r'^\s*File "(?P<file>.*)", line (?P<line>\d+) in (?P<func>\S+)')
-_QUERIES = ("get_", "is_", "_")  # dist.get_rank() & co. return at once: no rank waits there
+# The functions of torch.distributed a rank can wait in for another rank. Only these count:
+# dist.get_rank() and the properties behind it (GroupMember.WORLD) live in the same file and
+# return at once, so a rank caught in them is running, not waiting.
+COLLECTIVES = frozenset({
+    "send", "recv", "isend", "irecv", "batch_isend_irecv", "broadcast", "all_reduce",
+    "reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+    "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
+    "barrier", "monitored_barrier", "all_gather_object", "gather_object",
+    "broadcast_object_list", "scatter_object_list", "send_object_list", "recv_object_list",
+    "all_reduce_coalesced", "all_gather_coalesced", "wait"})
 
 
 @dataclass(frozen=True)
@@ -70,7 +79,7 @@ def _place(rank: int, text: str, learner_lines: list[str]) -> Place | None:
         inner = frames[:learner] if learner is not None else frames
         waiting = next((f["func"] for f in reversed(inner)
                         if f["file"].replace("\\", "/").endswith("distributed_c10d.py")
-                        and not f["func"].startswith(_QUERIES)), None)
+                        and f["func"] in COLLECTIVES), None)
         if learner is None:
             return Place(rank, f"dist.{waiting}" if waiting else None, None, "")
         frame = frames[learner]
