@@ -47,4 +47,9 @@ def test_a_failed_notebook_names_its_cell(tmp_path):
     assert row.detail == ("FAILED: 05_zero3.ipynb, cell 15 (execution count 9) "
                           "AssertionError: rise over the bound")
     assert gpu_check.notebook_row("00.ipynb", 0, 3.0, log).status == "pass"
+    log.write_text("FAILED: 02_collectives.ipynb, cell 3 (execution count 2), starting 'x'\n"
+                   "TooFewRanks: parameter nproc=1: must be at least 2: this notebook ...\n")
+    row = gpu_check.notebook_row("02_collectives.ipynb", 1, 5.0, log)  # one GPU: not a failure
+    assert (row.status, row.detail) == ("skip", "parameter nproc=1: must be at least 2: this "
+                                                "notebook ...")
     assert "stopped after" in gpu_check.notebook_row("03.ipynb", None, 180.0, log).detail

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from zero_lab.course import parameters
-from zero_lab.course.parameters import check_parameters, mlp_rank_bytes
+from zero_lab.course.parameters import TooFewRanks, check_parameters, mlp_rank_bytes
 from zero_lab.launch.capacity import RANK_BASE_BYTES
 
 GiB = 2**30
@@ -43,6 +43,14 @@ def test_nproc_below_one_is_refused(value):
     # mutant: `nproc < 0` instead of `nproc < 1`, or no bound at all
     with pytest.raises(ValueError, match=rf"parameter nproc={value}: .*an int >= 1"):
         check_parameters(value, "auto", "cpu")
+
+
+def test_a_notebook_about_communication_refuses_one_rank_by_name():
+    # mutant: min_nproc ignored (notebook 02 then failed 30 s in: "no timings with
+    # world_size > 1"; 04, 06 and 07 at an assertion about what ranks send)
+    with pytest.raises(TooFewRanks, match=r"parameter nproc=1: must be at least 2: "):
+        check_parameters(1, "auto", "cpu", min_nproc=2)
+    assert check_parameters(2, "auto", "cpu", min_nproc=2) == "gloo"
 
 
 def test_nproc_must_divide_the_batch_it_shards():

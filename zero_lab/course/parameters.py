@@ -23,6 +23,12 @@ from zero_lab.launch.capacity import RANK_BASE_BYTES
 STRING_HINT = " (papermill's -r passes strings; -p reads numbers and lists)"
 
 
+class TooFewRanks(ValueError):
+    """nproc below what a notebook needs: what it measures happens between ranks (its bytes,
+    its exposed communication, its fit of latency and bandwidth), and one rank sends nothing.
+    `make gpu-check` on a machine with fewer GPUs reports such a notebook as skipped."""
+
+
 def _refuse(name: str, value, rule: str, error=ValueError):
     items = value.values() if isinstance(value, dict) else value
     strings = isinstance(value, str) or (isinstance(value, (list, tuple, dict))
@@ -76,7 +82,8 @@ def _resolve(name: str, value, backend: str, resolving: str, device: str, count:
 
 
 def check_parameters(nproc, backend="auto", device="auto", *, rank_bytes=RANK_BASE_BYTES,
-                     divides=None, numbers=None, choices=None, ranks=None, **sizes) -> str:
+                     divides=None, numbers=None, choices=None, ranks=None, min_nproc=1,
+                     **sizes) -> str:
     """Refuse a notebook's parameters before any work; return the backend its launches use.
 
     nproc: an int >= 1, checked against this machine's cores and memory with `rank_bytes`
@@ -88,6 +95,7 @@ def check_parameters(nproc, backend="auto", device="auto", *, rank_bytes=RANK_BA
     numbers: {name: value} positive numbers (fractions allowed), or lists or dicts of them.
     choices: {name: (value, allowed)}.
     ranks: {name: count}: other launches' rank counts, checked as nproc is.
+    min_nproc: the fewest ranks the notebook's claims hold on (TooFewRanks below it).
     sizes: every other parameter: a positive int, or a non-empty list or dict of them.
 
     `rank_bytes`, `divides` and `ranks` may be functions returning the value: they are called
@@ -98,6 +106,10 @@ def check_parameters(nproc, backend="auto", device="auto", *, rank_bytes=RANK_BA
         _refuse("nproc", nproc, "an int >= 1, the number of ranks", TypeError)
     if nproc < 1:
         _refuse("nproc", nproc, "an int >= 1, the number of ranks")
+    if nproc < min_nproc:
+        _refuse("nproc", nproc, f"at least {min_nproc}: this notebook measures what ranks "
+                "send each other, and one rank sends nothing (on one GPU, run it on CPU: "
+                'device="cpu")', TooFewRanks)
     for name, value, allowed in (("backend", backend, BACKENDS), ("device", device, DEVICES),
                                  *((n, v, a) for n, (v, a) in (choices or {}).items())):
         if value not in allowed:
