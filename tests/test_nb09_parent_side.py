@@ -163,3 +163,28 @@ def test_a_resume_that_lost_a_step_fails(tmp_path):
     exact["train"]["weights"]["head.weight"][0] += 1e-3
     with pytest.raises(AssertionError):
         runs.check_single_process(tmp_path / "full.pt", exact)
+
+
+def _memory(world_size: int) -> list[dict]:
+    _, groups = _groups(world_size)
+    numel = sum(g["numel"] for g in groups)
+    padded = sum(g["padded_local"] for g in groups)
+    reports = []
+    for rank in range(world_size):  # the last rank's shards end in the padding
+        local = padded if rank < world_size - 1 else numel - padded * (world_size - 1)
+        held = {"params": 4 * padded, "grads": 4 * padded, "optimizer": 8 * local}
+        held["total"] = sum(held.values())
+        reports.append({"memory": {"held": held, "padded_local": padded, "local": local,
+                                   "numel": numel}})
+    return reports
+
+
+def test_memory_is_the_formula_where_nothing_is_padded_and_names_the_padding():
+    assert runs.check_memory(_memory(2)) == 0  # 16Ψ/2 to the byte
+    assert runs.check_memory(_memory(3)) > 0
+    rows = runs.memory_rows(_memory(2))
+    assert rows[0]["held"] == rows[0]["16Ψ/N formula"] == 16 * 27296 // 2
+    reports = _memory(2)
+    reports[1]["memory"]["held"]["optimizer"] += 8  # mutant: Adam's state one element bigger
+    with pytest.raises(AssertionError):
+        runs.check_memory(reports)

@@ -13,6 +13,8 @@ measured: each `check_*` raises AssertionError naming the number that broke the 
     check_resume          a DCP save on 2 ranks resumed on 3 = training straight through
     check_single_process  the full state dict loads into a plain model, strict, same weights
     check_saved           both checkpoints hold at least the weights and Adam's two states
+    check_memory          what a rank holds = notebook 01's 16Ψ/N for fp32 Adam, plus FSDP2's
+                          padding (parameters and gradients padded, Adam's states not)
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import torch
 
 from zero_lab.course.fsdp2_configs import CONFIGS, MODEL
 from zero_lab.grading.nb08_knobs_accumulation import FP32_ATOL
+from zero_lab.memory import model_state_bytes
 from zero_lab.predict.knobs import fsdp2_accumulation_messages
 
 DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2}
@@ -209,3 +212,30 @@ def check_saved(report: dict) -> int:
     for name, saved in report["train"]["saved"].items():
         assert saved["bytes"] >= floor, (name, saved, floor)
     return floor
+
+
+def memory_rows(reports: list[dict], key: str = "memory") -> list[dict]:
+    rows = []
+    for rank, r in enumerate(reports):
+        m = r[key] if key in r else r["resume"][key]
+        formula = model_state_bytes(m["numel"], 3, len(reports), precision="fp32")["total"]
+        rows.append({"rank": rank, "held": m["held"]["total"], "16Ψ/N formula": formula,
+                     "FSDP2 padding": m["held"]["total"] - formula})
+    return rows
+
+
+def check_memory(reports: list[dict], key: str = "memory") -> int:
+    """Every rank holds 4 bytes a padded element in parameters and in gradients and 8 in
+    Adam's states for its unpadded elements; with no padding that is notebook 01's
+    model_state_bytes(Ψ, stage 3, N, fp32) exactly. Returns the largest padding in bytes."""
+    largest = 0
+    for row, r in zip(memory_rows(reports, key), reports, strict=True):
+        m = r[key] if key in r else r["resume"][key]
+        held = m["held"]
+        assert held["params"] == held["grads"] == 4 * m["padded_local"], m
+        assert held["optimizer"] == 8 * m["local"], m
+        padding = held["total"] - row["16Ψ/N formula"]
+        if m["padded_local"] * len(reports) == m["numel"]:  # nothing padded: the formula
+            assert held["total"] == row["16Ψ/N formula"], row
+        largest = max(largest, abs(padding))
+    return largest

@@ -55,6 +55,7 @@ from zero_lab.course.fsdp2_configs import (
 )
 from zero_lab.course.workloads import TinyGPT, gpt_batch, next_token_loss, rank_slice
 from zero_lab.launch import init_worker, report
+from zero_lab.measure.memory import held_bytes
 from zero_lab.stages import full_state_dict, shard
 
 
@@ -166,6 +167,19 @@ def ledger_facts(device: torch.device) -> list[dict]:
     return runs
 
 
+def memory_facts(device: torch.device) -> dict:
+    """What this rank holds mid-step (Adam's states made, gradients just computed), by
+    category, beside the storage FSDP2 sized: padded shards, and the shards without padding."""
+    model = wrap(seeded_model(device))
+    optimizer = adamw(model.parameters())
+    train_steps(model, optimizer, device, range(1))
+    next_token_loss(model, local_batch(1, device)).backward()
+    return {"held": held_bytes(model, optimizer),
+            "padded_local": sum(g["padded_local"] for g in groups(model)),
+            "local": sum(p.to_local().numel() for p in model.parameters()),
+            "numel": sum(p.numel() for p in model.parameters())}
+
+
 def clip_facts(device: torch.device) -> dict:
     model = wrap(seeded_model(device))
     one_step(model, device)
@@ -240,7 +254,7 @@ def resume_facts(device: torch.device, folder: Path) -> dict:
     train_steps(model, optimizer, device, range(SAVE_AT, STEPS))
     weights = full_state_dict_of(model)
     return {"weights": digest(weights) if dist.get_rank() == 0 else None,
-            "wrap": {"groups": groups(model)}}
+            "wrap": {"groups": groups(model)}, "memory": memory_facts(device)}
 
 
 def on_disk(path: Path, seconds: float) -> dict:
@@ -299,7 +313,8 @@ def main(argv: list[str] | None = None) -> None:
         return
     out = {"world_size": info.world_size, "wrap": wrap_facts(device),
            "meta": meta_facts(device), "ledger": ledger_facts(device),
-           "clip": clip_facts(device), "train": train_facts(device, args.folder)}
+           "clip": clip_facts(device), "memory": memory_facts(device),
+           "train": train_facts(device, args.folder)}
     if info.rank == 0:
         out["one_process_norm"] = one_process_clip_norm(device)
     if device.type == "cuda":
