@@ -27,7 +27,8 @@ def _groups(world_size: int) -> tuple[list[dict], list[dict]]:
                        "placements": "(Shard(dim=0),)", "type": "DTensor"})
         module = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else "(root)"
         group = groups.setdefault(module, {"module": module, "params": [], "numel": 0,
-                                           "padded_local": 0})
+                                           "padded_local": 0, "gather_bytes": 4,
+                                           "reduce_bytes": 4})
         group["params"].append(name)
         group["numel"] += p.numel()
         group["padded_local"] += rows * math.prod(p.shape[1:])

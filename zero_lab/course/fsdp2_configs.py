@@ -20,5 +20,9 @@ CONFIGS = {
     "reshard_after_forward=1": {"reshard_after_forward": 1},  # to groups of 1 rank: = False
     "bf16 params, fp32 reduce": {"mp_policy": MixedPrecisionPolicy(
         param_dtype=torch.bfloat16, reduce_dtype=torch.float32)},
+    # every LayerNorm its own fully_shard call in fp32, handing bf16 on to the next Linear
+    "bf16, norms in fp32": {"mp_policy": MixedPrecisionPolicy(
+        param_dtype=torch.bfloat16, reduce_dtype=torch.float32), "norm_policy":
+        MixedPrecisionPolicy(param_dtype=torch.float32, output_dtype=torch.bfloat16)},
 }
 ACCUMULATION_K = 2  # micro-batches of the accumulation run (default configuration)

@@ -29,8 +29,6 @@ from zero_lab.grading.nb08_knobs_accumulation import FP32_ATOL
 from zero_lab.memory import model_state_bytes
 from zero_lab.predict.knobs import fsdp2_accumulation_messages
 
-DTYPE_BYTES = {torch.float32: 4, torch.bfloat16: 2}
-
 
 def _ceil_div(a: int, b: int) -> int:
     return -(-a // b)
@@ -113,13 +111,11 @@ def _group_raf(config: dict, root: bool) -> bool:
 def expected_messages(run: dict, world_size: int) -> dict[str, dict[str, int]]:
     """{op: {"count", "nbytes"}}: notebook 08's formula summed group by group."""
     config = CONFIGS[run["config"]]
-    policy = config.get("mp_policy")
-    gather_bytes = DTYPE_BYTES[policy.param_dtype] if policy else 4
-    reduce_bytes = DTYPE_BYTES[policy.reduce_dtype] if policy else 4
     total = {"all_gather": {"count": 0, "nbytes": 0}, "reduce_scatter": {"count": 0, "nbytes": 0}}
-    for group in run["groups"]:
+    for group in run["groups"]:  # each in the dtypes its own policy gives it
         raf = _group_raf(config, group["module"] == "(root)")
-        for op, width in (("all_gather", gather_bytes), ("reduce_scatter", reduce_bytes)):
+        for op, width in (("all_gather", group["gather_bytes"]),
+                          ("reduce_scatter", group["reduce_bytes"])):
             padded = group["padded_local"] * world_size * width
             formula = fsdp2_accumulation_messages(
                 padded, run["k"], world_size, reshard_after_forward=raf,
@@ -220,7 +216,7 @@ def memory_rows(reports: list[dict], key: str = "memory") -> list[dict]:
         m = r[key] if key in r else r["resume"][key]
         formula = model_state_bytes(m["numel"], 3, len(reports), precision="fp32")["total"]
         rows.append({"rank": rank, "held": m["held"]["total"], "16Ψ/N formula": formula,
-                     "FSDP2 padding": m["held"]["total"] - formula})
+                     "held - formula": m["held"]["total"] - formula})
     return rows
 
 

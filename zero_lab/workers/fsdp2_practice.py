@@ -39,6 +39,7 @@ from torch.distributed.checkpoint.state_dict import (
 from torch.distributed.fsdp import (
     CPUOffloadPolicy,
     FSDPModule,
+    MixedPrecisionPolicy,
     fully_shard,
 )
 
@@ -64,8 +65,13 @@ def seeded_model(device: torch.device) -> TinyGPT:
     return TinyGPT(**MODEL).to(device)
 
 
-def wrap(model: TinyGPT, **kwargs) -> TinyGPT:
-    """fully_shard bottom-up, as torchtitan does: each block its own group, then the root."""
+def wrap(model: TinyGPT, norm_policy: MixedPrecisionPolicy | None = None, **kwargs) -> TinyGPT:
+    """fully_shard bottom-up, as torchtitan does: each block its own group, then the root.
+    With `norm_policy`, every LayerNorm first gets a call (a group) of its own with it."""
+    if norm_policy is not None:
+        for module in model.modules():
+            if isinstance(module, nn.LayerNorm):
+                fully_shard(module, mp_policy=norm_policy)
     for block in model.blocks:
         fully_shard(block, **kwargs)
     fully_shard(model, **kwargs)
@@ -89,8 +95,15 @@ def groups(model: nn.Module) -> list[dict]:
             # torch/distributed/fsdp/_fully_shard/_fsdp_param_group.py: the parameters this
             # fully_shard call manages, each an FSDPParam with its padded sharded storage
             params = group.fsdp_params if group is not None else []
+            # the dtypes it gathers and reduces in, from its policy as FSDPParam's
+            # init_dtype_attrs reads it: None = the parameter's own; reduce = as gathered
+            policy = module._get_fsdp_state()._mp_policy  # noqa: SLF001
+            gather = [policy.param_dtype or p.sharded_param.dtype for p in params]
+            reduce = [policy.reduce_dtype or g for g in gather]
             out.append({"module": name or "(root)",
                         "params": [names[id(p.sharded_param)] for p in params],
+                        "gather_bytes": gather[0].itemsize if gather else 0,
+                        "reduce_bytes": reduce[0].itemsize if reduce else 0,
                         "numel": sum(p._orig_size.numel() for p in params),
                         "padded_local": sum(p._sharded_param_data.numel() for p in params)})
     return out
@@ -103,6 +116,18 @@ def wrap_facts(device: torch.device) -> dict:
               for n, p in model.named_parameters()]
     return {"class": [c.__name__ for c in type(model).__mro__[:3]], "params": params,
             "groups": groups(model)}
+
+
+def norms_without_output_dtype(device: torch.device) -> str:
+    """fp32 norms inside bf16 blocks, without output_dtype: what the forward raises."""
+    policy = CONFIGS["bf16, norms in fp32"]
+    norm = MixedPrecisionPolicy(param_dtype=torch.float32)  # no output_dtype
+    model = wrap(seeded_model(device), norm_policy=norm, mp_policy=policy["mp_policy"])
+    try:
+        one_step(model, device)
+        return "no error"
+    except RuntimeError as exc:
+        return f"{type(exc).__name__}: {str(exc).splitlines()[0][:100]}"
 
 
 def meta_facts(device: torch.device) -> dict:
@@ -314,6 +339,7 @@ def main(argv: list[str] | None = None) -> None:
     out = {"world_size": info.world_size, "wrap": wrap_facts(device),
            "meta": meta_facts(device), "ledger": ledger_facts(device),
            "clip": clip_facts(device), "memory": memory_facts(device),
+           "norms_without_output_dtype": norms_without_output_dtype(device),
            "train": train_facts(device, args.folder)}
     if info.rank == 0:
         out["one_process_norm"] = one_process_clip_norm(device)
