@@ -32,7 +32,9 @@ from zero_lab.collectives import (
 from zero_lab.collectives.ledger import _record
 
 
-@pytest.fixture(scope="module", params=[2, 3, 4], ids=lambda n: f"N={n}")
+# N = 2 and 3: an even and an odd ring, both wrapping around. N = 4 cost 33 s of CI (4 ranks on
+# 2 cores) for no path the other two miss.
+@pytest.fixture(scope="module", params=[2, 3], ids=lambda n: f"N={n}")
 def ranks(request):
     """(N, per-rank reports) of the case worker, from the launch on N ranks it shares with the
     other case workers (tests/common.py)."""
