@@ -2,7 +2,7 @@
 says where each rank was, with the advice that fits (zero_lab/grading/hang.py).
 
 Before, every launch had a fixed 120 s or 180 s and one hint, "a collective mismatch", even
-for a rank busy in its own loop. One launch here (25 s) keeps rank 1 in its own code while
+for a rank busy in its own loop. One launch here (20 s) keeps rank 1 in its own code while
 ranks 0 and 2 wait in a recv; the other cases are read from faulthandler's own text.
 """
 
@@ -32,9 +32,9 @@ def spinning_ring_reduce_scatter(output, input):
 
 def test_a_spinning_rank_is_named_at_its_line_and_not_blamed_on_a_collective():
     with pytest.raises(ExerciseFailed) as failed:
-        grading.check_ring_reduce_scatter(spinning_ring_reduce_scatter, timeout=25)
+        grading.check_ring_reduce_scatter(spinning_ring_reduce_scatter, timeout=20)
     text = str(failed.value)
-    assert "did not finish within 25 s (every rank was still running)" in text
+    assert "did not finish within 20 s (every rank was still running)" in text
     assert ("rank 1 was running in your spinning_ring_reduce_scatter() at "
             "`time.sleep(3600)`, in no collective") in text
     for rank in (0, 2):
