@@ -26,12 +26,8 @@ import torch
 
 from zero_lab.course.fsdp2_configs import CONFIGS, MODEL
 from zero_lab.grading.nb08_knobs_accumulation import FP32_ATOL
-from zero_lab.memory import model_state_bytes
+from zero_lab.memory import model_state_bytes, partition_elements
 from zero_lab.predict.knobs import fsdp2_accumulation_messages
-
-
-def _ceil_div(a: int, b: int) -> int:
-    return -(-a // b)
 
 
 def parameter_rows(report: dict) -> list[dict]:
@@ -46,7 +42,7 @@ def padding_rows(groups: list[dict], world_size: int) -> list[dict]:
     multiple of N) against the course's flat buffer (the group padded once, notebook 03)."""
     rows = []
     for group in groups:
-        flat = _ceil_div(group["numel"], world_size)
+        flat = partition_elements(group["numel"], world_size)
         rows.append({"group": group["module"], "parameters": len(group["params"]),
                      "elements": group["numel"],
                      "FSDP2 per rank": group["padded_local"], "flat per rank": flat,
@@ -60,7 +56,7 @@ def check_wrap(report: dict, world_size: int) -> None:
     assert wrap["class"][:2] == [f"FSDP{MODEL_CLASS}", "FSDPModule"], wrap["class"]
     for p in wrap["params"]:
         assert p["type"] == "DTensor" and p["placements"] == "(Shard(dim=0),)", p
-        assert p["local"][0] == min(_ceil_div(p["global"][0], world_size), p["global"][0]), p
+        assert p["local"][0] == partition_elements(p["global"][0], world_size), p
     names = [g["module"] for g in wrap["groups"]]
     assert names == ["(root)"] + [f"blocks.{i}" for i in range(MODEL["n_layers"])], names
     check_padding(wrap["groups"], report, world_size)
@@ -72,7 +68,7 @@ def check_padding(groups: list[dict], report: dict, world_size: int) -> int:
     shapes = {p["name"]: p["global"] for p in report["wrap"]["params"]}
     padding = 0
     for group in groups:
-        padded = sum(_ceil_div(shapes[n][0], world_size) * math.prod(shapes[n][1:])
+        padded = sum(partition_elements(shapes[n][0], world_size) * math.prod(shapes[n][1:])
                      for n in group["params"])
         assert group["padded_local"] == padded, (group, padded)
         padding += padded * world_size - group["numel"]
@@ -111,7 +107,7 @@ def _group_raf(config: dict, root: bool) -> bool:
 def expected_messages(run: dict, world_size: int) -> dict[str, dict[str, int]]:
     """{op: {"count", "nbytes"}}: notebook 08's formula summed group by group."""
     config = CONFIGS[run["config"]]
-    total = {"all_gather": {"count": 0, "nbytes": 0}, "reduce_scatter": {"count": 0, "nbytes": 0}}
+    total = _no_messages()
     for group in run["groups"]:  # each in the dtypes its own policy gives it
         raf = _group_raf(config, group["module"] == "(root)")
         for op, width in (("all_gather", group["gather_bytes"]),
@@ -125,8 +121,12 @@ def expected_messages(run: dict, world_size: int) -> dict[str, dict[str, int]]:
     return total
 
 
+def _no_messages() -> dict[str, dict[str, int]]:
+    return {"all_gather": {"count": 0, "nbytes": 0}, "reduce_scatter": {"count": 0, "nbytes": 0}}
+
+
 def measured_messages(run: dict) -> dict[str, dict[str, int]]:
-    total = {"all_gather": {"count": 0, "nbytes": 0}, "reduce_scatter": {"count": 0, "nbytes": 0}}
+    total = _no_messages()
     for op, nbytes in run["comm"]:
         total[op]["count"] += 1
         total[op]["nbytes"] += nbytes
@@ -210,23 +210,28 @@ def check_saved(report: dict) -> int:
     return floor
 
 
-def memory_rows(reports: list[dict], key: str = "memory") -> list[dict]:
+def _memory(report: dict) -> dict:
+    """A rank's memory facts: at the top of a training report, under "resume" in a resume's."""
+    return report["memory"] if "memory" in report else report["resume"]["memory"]
+
+
+def memory_rows(reports: list[dict]) -> list[dict]:
     rows = []
     for rank, r in enumerate(reports):
-        m = r[key] if key in r else r["resume"][key]
+        m = _memory(r)
         formula = model_state_bytes(m["numel"], 3, len(reports), precision="fp32")["total"]
         rows.append({"rank": rank, "held": m["held"]["total"], "16Ψ/N formula": formula,
                      "held - formula": m["held"]["total"] - formula})
     return rows
 
 
-def check_memory(reports: list[dict], key: str = "memory") -> int:
+def check_memory(reports: list[dict]) -> int:
     """Every rank holds 4 bytes a padded element in parameters and in gradients and 8 in
     Adam's states for its unpadded elements; with no padding that is notebook 01's
     model_state_bytes(Ψ, stage 3, N, fp32) exactly. Returns the largest padding in bytes."""
     largest = 0
-    for row, r in zip(memory_rows(reports, key), reports, strict=True):
-        m = r[key] if key in r else r["resume"][key]
+    for row, r in zip(memory_rows(reports), reports, strict=True):
+        m = _memory(r)
         held = m["held"]
         assert held["params"] == held["grads"] == 4 * m["padded_local"], m
         assert held["optimizer"] == 8 * m["local"], m

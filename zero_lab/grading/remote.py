@@ -137,7 +137,7 @@ def run_on_ranks(check: str, runs: Sequence[tuple[RankExercise, Sequence[Callabl
     keys = [exercise_key(exercise, fns) for exercise, fns in runs]
     if timeout is None:
         cases = sum(len(exercise.cases(seed)) for exercise, _ in runs)
-        timeout = START_S * len(runs) + CASE_S * cases
+        timeout = sum(exercise.limit(seed) for exercise, _ in runs)
         limit = (f"{timeout:.0f} s ({START_S:.0f} s to start, {CASE_S:.0f} s for each of its "
                  f"{cases} cases)")
     else:
