@@ -5,6 +5,8 @@ rank scripts run on NCCL, one rank per GPU (at most 2), at small sizes:
 - launch.resolve_backend picks NCCL; worker.init_worker puts each rank on cuda:<local_rank>;
 - measured.PeakMemory and MemoryTimeline read the CUDA allocator;
 - stages 0-3, workloads.train and PeakMemory on CUDA (deep_mlp_runs.py, notebooks 03-04);
+- stages 0-3's states on the CUDA allocator against memory.model_state_bytes
+  (tests/workers/cuda_state_memory.py);
 - step_timeline.measure_step on CUDA (zero3_lifecycle.py, notebook 05);
 - collectives.timing with its CUDA synchronize (collective_sweep.py, notebook 02);
 - profiling.capture with CUDA activity, read back as a "cuda" timeline (profile_systems.py,
@@ -110,3 +112,23 @@ def test_bench_trains_every_system_alike_on_gpus(tmp_path):
                        stream=False, timeout=600)
     for name, system in result["systems"].items():
         assert system["max_abs_diff"] <= 1e-5, name
+
+
+def test_stage_states_on_the_cuda_allocator_are_the_formula():
+    """Stages 0-3 after a step and the next backward: the course's storage count
+    (`measure.held_bytes`) is `memory.model_state_bytes` to the byte (Ψ divides by the ranks:
+    no padding), and the CUDA allocator's live bytes are that count plus at most its rounding
+    (each block a multiple of 512 bytes): nothing else stays alive on the GPU."""
+    result = torchrun(Path(__file__).parent / "workers" / "cuda_state_memory.py", nproc=NPROC,
+                      backend="nccl", stream=False, timeout=300,
+                      args=["--width", 256, "--depth", 3, "--batch", 8])
+    wrong = []
+    for rep in result.ranks:
+        assert rep["device"].startswith("cuda")
+        for row in rep["stages"]:
+            extra = row["allocator"] - row["held"]
+            if row["held"] != row["formula"] or not 0 <= extra < 512 * row["storages"]:
+                wrong.append(f"stage {row['stage']}: allocator {row['allocator']:,} B, states "
+                             f"{row['held']:,} B in {row['storages']} storages, formula "
+                             f"{row['formula']:,} B")
+    assert not wrong, "; ".join(wrong) + f" (cuBLAS workspaces {rep['workspace']:,} B)"

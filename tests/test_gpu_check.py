@@ -52,4 +52,28 @@ def test_a_failed_notebook_names_its_cell(tmp_path):
     row = gpu_check.notebook_row("02_collectives.ipynb", 1, 5.0, log)  # one GPU: not a failure
     assert (row.status, row.detail) == ("skip", "parameter nproc=1: must be at least 2: this "
                                                 "notebook ...")
+    log.write_text("FAILED: 08_knobs.ipynb, cell 2 (execution count 2), starting 'x'\n"
+                   "TooFewGPUs: parameter math.prod(hsdp_mesh)=4 (backend='auto', device='cuda', "
+                   "4 ranks): device='cuda' needs one CUDA device per rank\n")
+    row = gpu_check.notebook_row("08_knobs.ipynb", 1, 5.0, log)  # HSDP on one GPU: a skip
+    assert row.status == "skip" and row.detail.startswith("parameter math.prod(hsdp_mesh)=4")
     assert "stopped after" in gpu_check.notebook_row("03.ipynb", None, 180.0, log).detail
+
+
+def test_the_notebooks_import_this_checkout(tmp_path, monkeypatch):
+    """The kernels start in notebooks/: a relative PYTHONPATH entry ("." as the device README
+    has it) named notebooks/ there, and on an H100 every notebook failed at its first import
+    ("No module named 'zero_lab'"). The children get this checkout first and every entry
+    made absolute. Mutant: env not passed (the child inherits PYTHONPATH=".")."""
+    seen = []
+
+    def fake_run(cmd, **kw):
+        seen.append(kw.get("env"))
+        return type("Done", (), {"returncode": 0})()
+
+    monkeypatch.setenv("PYTHONPATH", ".")
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(gpu_check.subprocess, "run", fake_run)
+    rows = gpu_check.run_notebooks(tmp_path, 1, "01")
+    assert [r.status for r in rows] == ["pass"]
+    assert seen[0]["PYTHONPATH"].split(":") == [str(gpu_check.ROOT), str(tmp_path)]

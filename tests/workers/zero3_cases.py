@@ -257,6 +257,11 @@ def lifecycle(rank: int, world: int) -> dict:
         out[f"prefetch_{prefetch}"] = measure_step(
             lambda: W.deep_mlp(width, depth), batches(), torch.device("cpu"), 3, prefetch,
             walk_live_tensors=prefetch)  # one walk of every live tensor (about a second)
+    # Adam's foreach implementation, torch's default on CUDA (on CPU the for-loop one)
+    torch.manual_seed(SEED)
+    out["foreach_adam"] = measure_step(
+        lambda: W.deep_mlp(width, depth), batches(), torch.device("cpu"), 3, True,
+        walk_live_tensors=False, optimizer=lambda p: torch.optim.Adam(p, lr=1e-3, foreach=True))
     torch.manual_seed(SEED)
     out["activations"] = activation_bytes(W.deep_mlp(width, depth), *batches()[-1],
                                           torch.device("cpu"))

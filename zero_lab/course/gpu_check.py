@@ -1,6 +1,6 @@
 """`make gpu-check`: what the course does on a machine with an NVIDIA GPU, as one table.
 
-    python -m zero_lab.course.gpu_check [--nproc N] [--only 03] [--no-notebooks]
+    python -m zero_lab.course.gpu_check [--nproc N] [--only 03] [--no-notebooks | --no-tests]
 
 For a machine with PyTorch and a GPU but no network (a rented instance, a cluster node). Its
 rows, each pass, fail or skip with the seconds it took and what it saw:
@@ -23,6 +23,7 @@ tqdm (`pip install -e .[dev]` installs them).
 from __future__ import annotations
 
 import argparse
+import os
 import subprocess
 import sys
 import time
@@ -111,7 +112,7 @@ def notebook_row(name: str, returncode: int | None, seconds: float, log: Path) -
     failed = [i for i, ln in enumerate(lines) if ln.startswith("FAILED")]
     if failed:
         cell, error = lines[failed[0]], lines[failed[0] + 1:failed[0] + 2]
-        if error and error[0].startswith("TooFewRanks"):  # its claims need more GPUs
+        if error and error[0].startswith(("TooFewRanks", "TooFewGPUs")):  # needs more GPUs
             return Row(name, "skip", seconds, error[0].split(": ", 1)[1][:300])
         return Row(name, "fail", seconds, " ".join([cell.split(", starting")[0], *error])[:300])
     tail = [ln for ln in lines if ln.strip()][-1:] or [f"exit {returncode}"]
@@ -121,6 +122,11 @@ def notebook_row(name: str, returncode: int | None, seconds: float, log: Path) -
 def run_notebooks(out: Path, nproc: int, only: str | None) -> list[Row]:
     from zero_lab.course.runner import course_notebooks
 
+    # The kernels start in notebooks/: the course they import is this checkout's, whatever
+    # PYTHONPATH says (a relative entry there would name a folder under notebooks/).
+    paths = [str(ROOT)] + [str(Path(p).resolve()) for p in
+                           os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     rows = []
     for path in course_notebooks(only):
         log = out / f"{path.stem}.log"
@@ -130,7 +136,7 @@ def run_notebooks(out: Path, nproc: int, only: str | None) -> list[Row]:
                 code: int | None = subprocess.run(
                     [sys.executable, "-m", "zero_lab.course", "run", "--backend", "nccl",
                      "--device", "cuda", "--nproc", str(nproc), "--only", path.name[:2]],
-                    stdout=f, stderr=subprocess.STDOUT, cwd=ROOT,
+                    stdout=f, stderr=subprocess.STDOUT, cwd=ROOT, env=env,
                     timeout=NOTEBOOK_LIMIT_S).returncode
             except subprocess.TimeoutExpired:
                 code = None
@@ -153,12 +159,14 @@ def main(argv: list[str] | None = None) -> int:
                         help="ranks per notebook launch (default: the GPUs, at most 2)")
     parser.add_argument("--only", default=None, help="notebooks whose name starts with this")
     parser.add_argument("--no-notebooks", action="store_true", help="the tests only")
+    parser.add_argument("--no-tests", action="store_true", help="the notebooks only")
     args = parser.parse_args(argv)
     out = new_run_dir("gpu-check")
     first, cuda = machine_row()
     rows = [first]
     print(f"gpu-check into {out}\n  machine: {first.detail}", flush=True)
-    rows += run_tests(out)
+    if not args.no_tests:
+        rows += run_tests(out)
     if args.no_notebooks:
         pass
     elif not cuda:

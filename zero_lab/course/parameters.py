@@ -77,8 +77,8 @@ def _resolve(name: str, value, backend: str, resolving: str, device: str, count:
         return resolve_backend(resolving, count, device)
     except ValueError as err:
         others = [f"{k}={v!r}" for k, v in (("backend", backend), ("device", device)) if k != name]
-        raise ValueError(f"parameter {name}={value!r} ({', '.join(others)}, {count} ranks): "
-                         f"{err}") from None
+        raise type(err)(f"parameter {name}={value!r} ({', '.join(others)}, {count} ranks): "
+                        f"{err}") from None  # TooFewGPUs stays itself: gpu-check skips it
 
 
 def check_parameters(nproc, backend="auto", device="auto", *, rank_bytes=RANK_BASE_BYTES,

@@ -300,3 +300,48 @@ def _judge_call(name: str, where: str, case: UnitCase, n: int, rank: int, i: int
         fail(name, f"{where}: unit.full_grad is still set",
              "once reduce-scattered, the full gradient is not needed: "
              "unit.full_grad = None frees it")
+
+
+# ------------------------------------------------------------------ the notebook's claims
+
+
+def check_stage3_step_memory(step: dict, activations: int, psi: int, world: int) -> dict:
+    """Section 2's claims on one measured stage-3 step (`measure.memory_timeline.measure_step`'s
+    report), on one rank. Returns the rises above the step's start, in bytes.
+
+    - After backward the rank holds its slices' parameters and gradients (padding included)
+      and Adam's m and v for the real elements: `memory.model_state_bytes(Ψ, 3, N)` up to
+      less than N elements of padding per unit.
+    - Forward and backward rise at least one unit (it was gathered) and at most the gradient
+      slices, the full parameters and full gradients of two units (the current and the next)
+      and the activations the same step needs in one process (`activations`).
+    - The optimizer's step adds, above what backward left, at most one set of the slices:
+      Adam's temporaries. Its foreach implementation (torch's default for CUDA tensors)
+      computes sqrt(v) for every slice at once, exactly one set; the for-loop one (CPU's
+      default) one parameter's at a time. Bounding the whole step by the lifecycle's bound
+      failed on one GPU (and on one CPU rank with foreach Adam).
+    """
+    from zero_lab.memory import model_state_bytes
+
+    held = step["held"]["total"]
+    slices = sum(u["slice"] for u in step["units"])
+    expected = 8 * slices + 8 * step["stepped_numel"]
+    assert held == expected, f"held {held:,} B after backward, slices say {expected:,} B"
+    formula = model_state_bytes(psi, 3, world, "fp32", "adam")["total"]
+    assert abs(held - formula) < 16 * len(step["units"]), (
+        f"held {held:,} B, 16Ψ/N = {formula:,} B: more than the padding apart")
+    unit, start = max(step["unit_param_bytes"]), step["start_bytes"]
+    lifecycle = step["peak_forward_backward"] - start
+    bound = step["grad_shard_bytes"] + 2 * (unit + unit) + activations
+    assert unit <= lifecycle <= bound, (
+        f"forward and backward rose {lifecycle:,} B above the start; the bound is one unit "
+        f"({unit:,} B) to the gradient slices + two units' parameters and gradients + "
+        f"the activations = {bound:,} B")
+    optimizer = step["peak_optimizer_step"] - step["backward_done_bytes"]
+    slice_bytes = step["element_bytes"] * step["stepped_numel"]
+    assert 0 <= optimizer <= slice_bytes, (
+        f"the optimizer's step added {optimizer:,} B, more than one set of the slices "
+        f"({slice_bytes:,} B): a temporary beyond Adam's own")
+    return {"forward_backward": lifecycle, "optimizer_step": optimizer,
+            "step": step["peak_bytes"] - start}
+

@@ -64,8 +64,8 @@ from zero_lab.launch.rank_side import (
     scratch_folder,
 )
 
-__all__ = ["torchrun", "resolve_backend", "LaunchResult", "LaunchError", "LaunchTimeout",
-           "init_worker", "report", "scratch_folder", "WorkerInfo"]
+__all__ = ["torchrun", "resolve_backend", "TooFewGPUs", "LaunchResult", "LaunchError",
+           "LaunchTimeout", "init_worker", "report", "scratch_folder", "WorkerInfo"]
 
 BACKENDS = ("auto", "gloo", "nccl")
 
@@ -90,6 +90,11 @@ class LaunchResult:
 DEVICES = ("auto", "cpu", "cuda")
 
 
+class TooFewGPUs(ValueError):
+    """NCCL asked for more ranks than this machine has GPUs (one rank a GPU). `make gpu-check`
+    reports a notebook refused so as skipped: its claims need more GPUs, not a fix."""
+
+
 def resolve_backend(backend: str, nproc: int, device: str = "auto") -> str:
     """The backend a launch runs on. 'auto' means NCCL when CUDA has at least `nproc`
     devices, else gloo on CPU; `device` ("cpu" or "cuda") decides it instead of the GPU count:
@@ -111,7 +116,7 @@ def resolve_backend(backend: str, nproc: int, device: str = "auto") -> str:
     if wanted == "nccl" and gpus < nproc:
         asked, instead = (("device='cuda'", "device='cpu'") if device == "cuda"
                           else ("backend='nccl'", "backend='gloo'"))
-        raise ValueError(
+        raise TooFewGPUs(
             f"{asked} needs one CUDA device per rank: nproc={nproc} but this machine "
             f"has {gpus}. Use {instead} (CPU) or a smaller nproc."
         )

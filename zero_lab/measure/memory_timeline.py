@@ -34,14 +34,17 @@ def _live(device: torch.device) -> int:
 def measure_step(make_model: Callable[[], nn.Module],
                  batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                  stage: int = 3, prefetch: bool = True, precision: str = "fp32",
-                 walk_live_tensors: bool = True) -> dict:
-    """Shard `make_model()` (Adam) at `stage`, train on batches[:-1], measure batches[-1].
+                 walk_live_tensors: bool = True, optimizer: Callable | None = None) -> dict:
+    """Shard `make_model()` at `stage`, train on batches[:-1], measure batches[-1].
 
+    `optimizer`: shard()'s optimizer factory (None: its default, Adam; torch picks Adam's
+    foreach implementation for CUDA tensors and the for-loop one on CPU).
     `walk_live_tensors`: also count every tensor alive before and after (a garbage-collector
     walk, about a second) to find what outlived the step ("leftover").
     """
     before = _live(device) if walk_live_tensors else 0  # all but the model: the batches, ...
-    model, opt = shard(make_model().to(device), stage, prefetch=prefetch, precision=precision)
+    model, opt = shard(make_model().to(device), stage, prefetch=prefetch, precision=precision,
+                       **({"optimizer": optimizer} if optimizer is not None else {}))
     sync = opt.sync
     for x, y in batches[:-1]:
         F.mse_loss(model(x), y).backward()
@@ -75,13 +78,20 @@ def measure_step(make_model: Callable[[], nn.Module],
     held_after_step = held_bytes(model, opt)
     n_scalars = sum(1 for s in opt.optim.state.values() for v in s.values()
                     if isinstance(v, torch.Tensor) and v.dim() == 0)
+    samples = timeline.samples
+    done = next(i for i, label in timeline.marks if label == "backward done")
     out = {
         "stage": stage,
         "prefetch": prefetch,
-        "samples": timeline.samples,
+        "samples": samples,
         "marks": timeline.marks,
         "start_bytes": timeline.start_bytes,
         "peak_bytes": timeline.peak_bytes,
+        # the two phases apart: forward and backward gather and release units; the optimizer's
+        # step then works on the slices alone, with temporaries of its own
+        "peak_forward_backward": max(samples[:done + 1]),
+        "backward_done_bytes": samples[done],
+        "peak_optimizer_step": max(samples[done:]),
         "held": held,
         "held_after_step": held_after_step,
         # what stays alive after the step beyond the model states (Adam's 0-d step counters
@@ -98,6 +108,7 @@ def measure_step(make_model: Callable[[], nn.Module],
         out.update({
             "units": sync.describe(),
             "unit_param_bytes": [u.group.padded_numel * element for u in sync.units],
+            "element_bytes": element,
             "grad_shard_bytes": held["grads"],
             "gathered_after": sync.gathered_bytes(),
         })
