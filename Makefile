@@ -72,10 +72,10 @@ test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 	    echo "nbval: $(BROWSER_NOTEBOOKS) run in $(BROWSER_TESTS)"; \
 	    set -- $(NBVAL_BESIDE_BROWSER); else set -- notebooks/; fi; \
 	echo "$(PY) -m pytest --nbval-lax -p no:cacheprovider $$* $(BESIDE_NBVAL) >$(NBVAL_LOG) (beside pytest)"; \
-	$(PY) -m pytest --nbval-lax -p no:cacheprovider "$$@" $(BESIDE_NBVAL) >$(NBVAL_LOG) 2>&1 & nbval=$$!; \
+	$(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=12 "$$@" $(BESIDE_NBVAL) >$(NBVAL_LOG) 2>&1 & nbval=$$!; \
 	trap 'kill $$nbval 2>/dev/null' INT TERM; \
 	echo "$(PY) -m pytest tests $(addprefix --ignore=,$(BESIDE_NBVAL))"; \
-	$(PY) -m pytest tests $(addprefix --ignore=,$(BESIDE_NBVAL)); tests=$$?; \
+	$(PY) -m pytest tests $(addprefix --ignore=,$(BESIDE_NBVAL)) --durations=25; tests=$$?; \
 	wait $$nbval; notebooks=$$?; \
 	echo "============= nbval and the browser test, run beside pytest ($(NBVAL_LOG)) ============="; \
 	cat $(NBVAL_LOG); \

@@ -301,7 +301,11 @@ def digest(weights: dict) -> dict[str, list[float]]:
 
 def cuda_facts(device: torch.device, folder: Path) -> dict:
     """One FSDP2 step under the CUDA allocator's history: the snapshot file (open it at
-    https://pytorch.org/memory_viz) and allocated against reserved bytes."""
+    https://pytorch.org/memory_viz), allocated against reserved bytes, and how much of it is
+    the model's states (`held_bytes`) against what was allocated before the model existed
+    (the earlier parts' models are gone by then: what stays is the CUDA libraries' own)."""
+    torch.cuda.synchronize(device)
+    before_model = torch.cuda.memory_allocated(device)
     torch.cuda.memory._record_memory_history(max_entries=100_000)  # noqa: SLF001 - documented
     model = wrap(seeded_model(device))
     optimizer = adamw(model.parameters())
@@ -312,7 +316,9 @@ def cuda_facts(device: torch.device, folder: Path) -> dict:
     torch.cuda.memory._record_memory_history(enabled=None)  # noqa: SLF001
     facts = {"snapshot": str(path), "allocated": torch.cuda.memory_allocated(device),
              "reserved": torch.cuda.memory_reserved(device),
-             "peak_allocated": torch.cuda.max_memory_allocated(device)}
+             "peak_allocated": torch.cuda.max_memory_allocated(device),
+             "before_model": before_model,
+             "model_states": held_bytes(model, optimizer)["total"]}
     for name, kwargs in (("on GPU", {}), ("CPUOffloadPolicy", {"offload_policy":
                                                                CPUOffloadPolicy()})):
         model = wrap(seeded_model(device), **kwargs)
