@@ -26,9 +26,13 @@ help: ## list the targets
 setup: $(VENV)/.installed ## create .venv and install the package (editable) with dev extras
 
 # Re-installs only when the pins change, so `make setup` is idempotent and fast when current.
+# pip compiles what it installs on one core (about 35 s of a 65 s install on 2 cores);
+# compileall -j 0 compiles on every core (15 s). Like pip, it skips a file that is not this
+# Python's syntax (torch ships one written for 3.12), hence -qq and `|| true`.
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev]'
+	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
 	touch $@
 
 # Jupyter refuses to start as root without --allow-root; GPU containers often run as root.
