@@ -131,4 +131,4 @@ def test_stage_states_on_the_cuda_allocator_are_the_formula():
                 wrong.append(f"stage {row['stage']}: allocator {row['allocator']:,} B, states "
                              f"{row['held']:,} B in {row['storages']} storages, formula "
                              f"{row['formula']:,} B")
-    assert not wrong, "; ".join(wrong) + f" (cuBLAS workspaces {rep['workspace']:,} B)"
+    assert not wrong, "; ".join(wrong) + f" (the warm-up allocated {rep['workspace']:,} B)"

@@ -33,6 +33,7 @@ from zero_lab.grading.rank_reports import (
     world_size,
 )
 from zero_lab.grading.remote import RankExercise, comm_summary, run_exercise
+from zero_lab.memory import model_state_bytes
 
 RTOL, ATOL = 1e-10, 1e-12  # float64 all the way: only the order of additions differs
 
@@ -321,8 +322,6 @@ def check_stage3_step_memory(step: dict, activations: int, psi: int, world: int)
       default) one parameter's at a time. Bounding the whole step by the lifecycle's bound
       failed on one GPU (and on one CPU rank with foreach Adam).
     """
-    from zero_lab.memory import model_state_bytes
-
     held = step["held"]["total"]
     slices = sum(u["slice"] for u in step["units"])
     expected = 8 * slices + 8 * step["stepped_numel"]

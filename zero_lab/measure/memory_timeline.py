@@ -19,7 +19,7 @@ from torch import nn
 
 from zero_lab.collectives import CommLedger
 from zero_lab.measure.memory import MemoryTimeline, baseline_bytes, held_bytes, storage_bytes
-from zero_lab.stages import shard
+from zero_lab.stages import default_optimizer, shard
 
 
 def _phase() -> str:
@@ -34,17 +34,18 @@ def _live(device: torch.device) -> int:
 def measure_step(make_model: Callable[[], nn.Module],
                  batches: list[tuple[torch.Tensor, torch.Tensor]], device: torch.device,
                  stage: int = 3, prefetch: bool = True, precision: str = "fp32",
-                 walk_live_tensors: bool = True, optimizer: Callable | None = None) -> dict:
+                 walk_live_tensors: bool = True,
+                 optimizer: Callable = default_optimizer) -> dict:
     """Shard `make_model()` at `stage`, train on batches[:-1], measure batches[-1].
 
-    `optimizer`: shard()'s optimizer factory (None: its default, Adam; torch picks Adam's
-    foreach implementation for CUDA tensors and the for-loop one on CPU).
+    `optimizer`: shard()'s optimizer factory (its default: Adam, whose foreach implementation
+    torch picks for CUDA tensors and the for-loop one on CPU).
     `walk_live_tensors`: also count every tensor alive before and after (a garbage-collector
     walk, about a second) to find what outlived the step ("leftover").
     """
     before = _live(device) if walk_live_tensors else 0  # all but the model: the batches, ...
-    model, opt = shard(make_model().to(device), stage, prefetch=prefetch, precision=precision,
-                       **({"optimizer": optimizer} if optimizer is not None else {}))
+    model, opt = shard(make_model().to(device), stage, optimizer, prefetch=prefetch,
+                       precision=precision)
     sync = opt.sync
     for x, y in batches[:-1]:
         F.mse_loss(model(x), y).backward()
