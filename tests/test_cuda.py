@@ -125,8 +125,11 @@ def test_stage_states_on_the_cuda_allocator_are_the_formula():
     wrong = []
     for rep in result.ranks:
         assert rep["device"].startswith("cuda")
+        print(f"rank on {rep['device']}: the warm-up allocated {rep['workspace']:,} B")
         for row in rep["stages"]:
             extra = row["allocator"] - row["held"]
+            print(f"  stage {row['stage']}: allocator {row['allocator']:,} B, states "
+                  f"{row['held']:,} B in {row['storages']} storages, formula {row['formula']:,} B")
             if row["held"] != row["formula"] or not 0 <= extra < 512 * row["storages"]:
                 wrong.append(f"stage {row['stage']}: allocator {row['allocator']:,} B, states "
                              f"{row['held']:,} B in {row['storages']} storages, formula "

@@ -109,6 +109,26 @@ AB_LOW, AB_HIGH = 0.7, 3.0
 # kernel and nbval. Above AB_LOAD_PER_CORE the check says the machine was too busy to judge,
 # and does not.
 AB_LOAD_PER_CORE = 4.0
+# The load average lags and counts every runnable thread alike. In CI, pytest's multi-rank
+# launches run beside the notebook, starting and stopping within seconds; there one run
+# gave 0.67 (258 ms exposed for 386 ms saved) at about 2 per core, and the band's second
+# condition is weak below 1. So the check also asks the ranks how long their threads waited
+# for a core while each stage's A/B steps were recorded (profiling/run_queue.py), and takes
+# the most any rank waited in any stage's recording (`most_waiting`, seconds per second).
+# Measured on 2 cores, notebook 06's 2 ranks: idle 0.26-0.30 (the A/B alone); beside two busy
+# processes 0.50-0.56 in 4 notebook runs (ratios 1.01-1.08) and 0.52-0.61 in 6 runs of the
+# A/B alone; beside pytest's launches in a loop (tests/test_stages.py, test_partition.py)
+# 0.74-0.80 in 4 notebook runs (ratios 0.84-1.19; at 0.84 closer to 1 than counting hidden,
+# 1.28, by only 0.07 in log) and 0.72-0.86 in 6 runs of the A/B alone, at 2.1-3.0 per core.
+AB_WAITING = 0.65
+
+
+def most_waiting(ranks: list[dict], systems: Iterable[str]) -> float | None:
+    """The longest any rank's threads waited for a core, per second, while the A/B steps of
+    `systems` were recorded (each rank's report: systems -> name -> "waiting_for_cores");
+    None where the ranks could not tell (not Linux)."""
+    shares = [r["systems"][s]["waiting_for_cores"] for r in ranks for s in systems]
+    return None if None in shares else max(shares)
 
 
 def exposed_removed_ratio(exposed: dict[str, float], removed: dict[str, float]) -> float:
@@ -119,7 +139,8 @@ def exposed_removed_ratio(exposed: dict[str, float], removed: dict[str, float]) 
 
 def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, float],
                                   hidden: dict[str, float], load_per_core: float = 0.0,
-                                  low: float = AB_LOW, high: float = AB_HIGH) -> float | None:
+                                  waiting: float | None = None, low: float = AB_LOW,
+                                  high: float = AB_HIGH) -> float | None:
     """The analysis's exposed communication accounts for what the step loses to its
     communication. Per system s (microseconds): `exposed[s]` and `hidden[s]` (communication
     in flight under compute) from the trace, `removed[s]` = step(s) - step(s with
@@ -137,8 +158,9 @@ def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, 
        called hidden what the step in fact waited for.
 
     Returns the ratio; None, judging nothing, when the machine was busier than the band was
-    measured for (`load_per_core`, the load average per core while the steps were recorded,
-    above AB_LOAD_PER_CORE).
+    measured for: `load_per_core`, the load average per core while the steps were recorded,
+    above AB_LOAD_PER_CORE, or `waiting` (`most_waiting`: the longest any rank's threads
+    waited for a core, per second of the recording) above AB_WAITING.
 
     It fails an analysis that counts communication hidden under compute as exposed (too
     much, and then nothing is left hidden: 2 cannot hold), one that loses exposed
@@ -163,13 +185,16 @@ def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, 
     - The load limit, 4 per core: at 7-9 per core the right analysis reached 1.61-1.97 (a
       collective's thread waits its turn on a crowded core after every message, which the
       trace counts as exposed, while the twin never waits).
+    - The waiting limit, 0.65 s a second: beside two busy processes a rank's threads waited
+      for a core at most 0.50-0.61 s a second of a stage's recording; beside other programs'
+      multi-rank launches (CI's pytest) 0.72-0.86, where the ratio fell to 0.67 once.
     - Soaked: it must pass 50 runs in a row beside two busy processes (`make soak NB=06
       RUNS=50 LOAD=2`); tests/test_nb06_checks.py feeds it the wrong analyses on recorded
       numbers.
     """
     total, saved = sum(exposed.values()), sum(removed[s] for s in exposed)
     ratio = total / saved if saved > 0 else float("inf")
-    if load_per_core > AB_LOAD_PER_CORE:
+    if load_per_core > AB_LOAD_PER_CORE or (waiting is not None and waiting > AB_WAITING):
         return None
     claim = ("exposed communication = what removing the communication saves, summed over "
              f"{', '.join(exposed)}")

@@ -51,6 +51,7 @@ from zero_lab.launch import init_worker, report
 from zero_lab.measure.memory import held_bytes
 from zero_lab.measure.step_timing import settle_in_flight
 from zero_lab.profiling.capture import capture
+from zero_lab.profiling.run_queue import WaitingForCores
 
 
 def _sync(device: torch.device) -> None:
@@ -207,16 +208,22 @@ def main() -> None:
         if run.name in twins:
             twin_times = _slowest_rank(twins[run.name].times, info.device)
             results[run.name]["no_comm_step_times"] = twin_times
-            run.record_in_turn(twins[run.name], args.out, args.steps)
-            # How busy the machine was while it recorded (the 1-minute load average per
-            # core): the A/B check's band was measured for a range of loads (checks.py).
+            with WaitingForCores() as waiting:
+                run.record_in_turn(twins[run.name], args.out, args.steps)
+            # How busy the machine was while it recorded: how long this rank's threads
+            # waited for a core, and the 1-minute load average per core. The A/B check's
+            # band was measured for a range of both (checks.py).
+            results[run.name]["waiting_for_cores"] = waiting.share
             results[run.name]["load_per_core"] = os.getloadavg()[0] / (os.cpu_count() or 1)
         if info.rank == 0:
             print(f"{run.name:18s} {1e3 * statistics.median(slowest):7.2f} ms per step (median of "
                   f"{args.timed}, unprofiled); traces in {args.out.name}/{run.name}")
-    report({"systems": results, "world_size": info.world_size, "backend": info.backend,
+    data = {"systems": results, "world_size": info.world_size, "backend": info.backend,
             "device": str(info.device),
-            "n_params": count_parameters(deep_mlp(config.width, config.depth))})
+            "n_params": count_parameters(deep_mlp(config.width, config.depth))}
+    # Kept beside the traces: a run's numbers can be read again after the notebook is closed.
+    (args.out / f"report_rank{info.rank}.json").write_text(json.dumps(data))
+    report(data)
 
 
 if __name__ == "__main__":
