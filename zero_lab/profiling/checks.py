@@ -116,10 +116,11 @@ AB_LOAD_PER_CORE = 4.0
 # for a core while each stage's A/B steps were recorded (profiling/run_queue.py), and takes
 # the most any rank waited in any stage's recording (`most_waiting`, seconds per second).
 # Measured on 2 cores, notebook 06's 2 ranks: idle 0.26-0.30 (the A/B alone); beside two busy
-# processes 0.50-0.56 in 4 notebook runs (ratios 1.01-1.08) and 0.52-0.61 in 6 runs of the
-# A/B alone; beside pytest's launches in a loop (tests/test_stages.py, test_partition.py)
-# 0.74-0.80 in 4 notebook runs (ratios 0.84-1.19; at 0.84 closer to 1 than counting hidden,
-# 1.28, by only 0.07 in log) and 0.72-0.86 in 6 runs of the A/B alone, at 2.1-3.0 per core.
+# processes 0.49-0.63 in a 50-run soak of the notebook (every run judged: ratios 0.87-1.15,
+# counting hidden 1.38-2.14) and 0.52-0.61 in 6 runs of the A/B alone; beside pytest's
+# launches in a loop (tests/test_stages.py, test_partition.py) 0.74-0.80 in 4 notebook runs
+# (ratios 0.84-1.19; at 0.84 closer to 1 than counting hidden, 1.28, by only 0.07 in log) and
+# 0.72-0.86 in 6 runs of the A/B alone, at 2.1-3.0 per core.
 AB_WAITING = 0.65
 
 
@@ -186,8 +187,9 @@ def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, 
       collective's thread waits its turn on a crowded core after every message, which the
       trace counts as exposed, while the twin never waits).
     - The waiting limit, 0.65 s a second: beside two busy processes a rank's threads waited
-      for a core at most 0.50-0.61 s a second of a stage's recording; beside other programs'
-      multi-rank launches (CI's pytest) 0.72-0.86, where the ratio fell to 0.67 once.
+      for a core at most 0.49-0.63 s a second of a stage's recording (50-run soak, all
+      judged); beside other programs' multi-rank launches (CI's pytest) 0.72-0.86, where the
+      ratio fell to 0.67 once.
     - Soaked: it must pass 50 runs in a row beside two busy processes (`make soak NB=06
       RUNS=50 LOAD=2`); tests/test_nb06_checks.py feeds it the wrong analyses on recorded
       numbers.
