@@ -21,7 +21,7 @@ COURSE_ARGS := --nproc $(NPROC) --backend $(BACKEND) --device $(DEVICE) $(if $(O
 .PHONY: help setup lab run figures test soak student grade bench gpu-check clean
 
 help: ## list the targets
-	@grep -E '^[a-z]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
 
 setup: $(VENV)/.installed ## create .venv and install the package (editable) with dev extras
 
@@ -29,11 +29,23 @@ setup: $(VENV)/.installed ## create .venv and install the package (editable) wit
 # pip compiles what it installs on one core (about 35 s of a 65 s install on 2 cores);
 # compileall -j 0 compiles on every core (15 s). Like pip, it skips a file that is not this
 # Python's syntax (torch ships one written for 3.12), hence -qq and `|| true`.
+# Two makes at once on a fresh clone (`make run` in two terminals) both find .installed out of
+# date and would install into the same $(VENV) together: the install runs under an exclusive
+# lock on $(VENV)/.setup.lock, and the make that waited checks .installed again under it and,
+# finding it current, installs nothing. flock(1) is util-linux's; where it is missing (macOS),
+# Python's fcntl.flock takes the same lock (its file kept in `f`: freed, it would unlock).
+SETUP_LOCK = $(if $(shell command -v flock 2>/dev/null),flock,$(PYTHON) -c 'import fcntl, \
+    subprocess, sys; f = open(sys.argv[1], "a"); fcntl.flock(f, fcntl.LOCK_EX); \
+    sys.exit(subprocess.call(sys.argv[2:]))')
 $(VENV)/.installed: pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e '.[dev]'
-	$(PY) -m compileall -qq -j 0 $(VENV)/lib || true
-	touch $@
+	@mkdir -p $(VENV)
+	@$(SETUP_LOCK) $(VENV)/.setup.lock sh -c 'if [ -e $@ ] && ! [ pyproject.toml -nt $@ ]; \
+	  then echo "$(VENV) is current: another make setup installed it meanwhile"; exit 0; fi; \
+	  set -ex; \
+	  $(PYTHON) -m venv $(VENV); \
+	  $(PY) -m pip install --quiet --disable-pip-version-check --no-compile -e ".[dev]"; \
+	  $(PY) -m compileall -qq -j 0 $(VENV)/lib || true; \
+	  touch $@'
 
 # Jupyter refuses to start as root without --allow-root; GPU containers often run as root.
 lab: setup ## open the notebooks in JupyterLab (kernel from .venv)
@@ -103,8 +115,12 @@ grade: setup ## grade SUBMISSIONS=<folder of student folders> into runs/grades/<
 bench: setup ## benchmark DDP, ZeroRedundancyOptimizer and zero_lab stages into a folder of its own under runs/bench/
 	$(PY) -m zero_lab.course.bench
 
-gpu-check: setup ## on a machine with an NVIDIA GPU: tests/test_cuda.py and every notebook on NCCL, one table (NPROC=1)
-	$(PY) -m zero_lab.course.gpu_check $(if $(NPROC),--nproc $(NPROC))
+# NPROC's `?= 2` above is make run's default: here it would ask for 2 GPUs on a one-GPU machine
+# and fail every notebook. gpu_check picks the ranks itself (one per GPU, at most 2; a notebook
+# that needs more is a skip) unless NPROC comes from the command line or the environment.
+GPU_CHECK_NPROC = $(if $(filter-out file,$(origin NPROC)),$(if $(NPROC),--nproc $(NPROC)))
+gpu-check: setup ## on a machine with an NVIDIA GPU: tests/test_cuda.py and every notebook on NCCL, one table (NPROC: ranks; default one per GPU, up to 2)
+	$(PY) -m zero_lab.course.gpu_check $(GPU_CHECK_NPROC)
 
 clean: ## remove executed notebooks, run outputs, student copies and caches (keeps .venv)
 	rm -rf runs build notebooks/workers .pytest_cache .ruff_cache

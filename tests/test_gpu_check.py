@@ -1,7 +1,12 @@
 """`make gpu-check` (zero_lab/course/gpu_check.py) where there is no GPU: every row that needs one
-is skipped with the reason and it exits 0; a failed test or notebook is a failed row and exit 1."""
+is skipped with the reason and it exits 0; a failed test or notebook is a failed row and exit 1.
+On one GPU (faked): one rank, and a notebook that needs two is a skip, not a failure."""
 
 from __future__ import annotations
+
+import os
+import shutil
+import subprocess
 
 import pytest
 import torch
@@ -77,3 +82,85 @@ def test_the_notebooks_import_this_checkout(tmp_path, monkeypatch):
     rows = gpu_check.run_notebooks(tmp_path, 1, "01")
     assert [r.status for r in rows] == ["pass"]
     assert seen[0]["PYTHONPATH"].split(":") == [str(gpu_check.ROOT), str(tmp_path)]
+
+
+@pytest.fixture
+def one_gpu(monkeypatch):
+    """This process sees one CUDA GPU (machine_row reads its name, memory and NCCL)."""
+    props = type("Props", (), {"name": "Fake GPU", "total_memory": 80 * 2**30})()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: props)
+    monkeypatch.setattr(torch.cuda.nccl, "version", lambda: (2, 21, 5))
+
+
+def test_on_one_gpu_a_notebook_that_needs_two_ranks_is_a_skip(tmp_path, monkeypatch, capsys,
+                                                              one_gpu):
+    """`make gpu-check` on one GPU: one rank (gpu_check's own choice), and notebook 02, whose
+    parameters cell asks for at least 2 (TooFewRanks), is a skip that says so, not a failure.
+    It runs the notebook for real, to that cell; the child processes see one GPU through a
+    sitecustomize on PYTHONPATH. Mutant: the default nproc 2 (what the Makefile passed): on one
+    GPU no notebook runs, 02 has no row of its own."""
+    fake = tmp_path / "one_gpu"
+    fake.mkdir()
+    (fake / "sitecustomize.py").write_text(
+        "import torch\ntorch.cuda.is_available = lambda: True\n"
+        "torch.cuda.device_count = lambda: 1\n")
+    monkeypatch.setenv("PYTHONPATH", str(fake))
+    monkeypatch.setenv("ZERO_LAB_RUNS_DIR", str(tmp_path / "runs"))
+    assert gpu_check.main(["--no-tests", "--only", "02"]) == 0
+    text = capsys.readouterr().out
+    row = [ln for ln in text.splitlines() if ln.startswith("| 02_collectives.ipynb |")]
+    assert row and "| skip |" in row[0], text
+    assert "parameter nproc=1: must be at least 2" in row[0], text
+
+
+def test_more_ranks_than_gpus_skip_the_notebooks_saying_what_to_do(tmp_path, monkeypatch,
+                                                                 capsys, one_gpu):
+    """`make gpu-check NPROC=2` on one GPU: no notebook can start (the runner refuses NCCL
+    without a GPU per rank), so none is launched and one row says why and what to run instead,
+    as where there is no GPU at all. Mutant: the check of --nproc against the GPUs removed
+    (every notebook launched and failed, exit 1)."""
+    launched = []
+
+    def refused(cmd, **kw):  # what the runner does with nproc=2 on one GPU: exit 2
+        launched.append(cmd)
+        return type("Done", (), {"returncode": 2})()
+
+    monkeypatch.setattr(gpu_check.subprocess, "run", refused)
+    monkeypatch.setenv("ZERO_LAB_RUNS_DIR", str(tmp_path))
+    assert gpu_check.main(["--no-tests", "--nproc", "2", "--only", "02"]) == 0
+    text = capsys.readouterr().out
+    assert launched == []
+    row = [ln for ln in text.splitlines() if ln.startswith("| notebooks |")]
+    assert row and "| skip |" in row[0], text
+    assert "--nproc 2 needs one GPU per rank and this machine has 1" in row[0], text
+    assert "without NPROC" in row[0] and "--nproc 1" in row[0], text  # what to run instead
+
+
+def _make_gpu_check(**given: str) -> str:
+    """The command `make -n gpu-check` prints: given={"cli": ..., "env": ...} sets NPROC on
+    make's command line or in its environment."""
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL", "NPROC")}  # a make of its own
+    if "env" in given:
+        env["NPROC"] = given["env"]
+    extra = [f"NPROC={given['cli']}"] if "cli" in given else []
+    # -o: setup's .installed is taken as current, so only gpu-check's own line prints
+    out = subprocess.run(["make", "-n", "-o", ".venv/.installed", "gpu-check", *extra],
+                         cwd=gpu_check.ROOT, env=env, capture_output=True, text=True,
+                         check=True).stdout
+    lines = [ln for ln in out.splitlines() if "zero_lab.course.gpu_check" in ln]
+    assert lines, f"make -n gpu-check printed no gpu_check command:\n{out}"
+    return lines[0]
+
+
+@pytest.mark.skipif(shutil.which("make") is None, reason="needs make")
+def test_make_gpu_check_passes_nproc_only_when_it_is_given():
+    """NPROC's `?= 2` is for make run; gpu-check leaves the count to gpu_check (one rank per
+    GPU, at most 2) unless NPROC is on the command line or in the environment. Mutant:
+    `$(if $(NPROC),...)` (always true: every notebook failed on one GPU) or only `command line`
+    accepted (the environment's NPROC ignored)."""
+    assert "--nproc" not in _make_gpu_check()
+    assert _make_gpu_check(cli="1").endswith("--nproc 1")
+    assert _make_gpu_check(env="3").endswith("--nproc 3")

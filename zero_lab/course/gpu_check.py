@@ -11,7 +11,10 @@ rows, each pass, fail or skip with the seconds it took and what it saw:
   process, stage 3's memory timeline, collective timing with its CUDA synchronize, a CUDA
   profiler trace read by `zero_lab.profiling` (kernels, streams), the bench;
 - every notebook, executed with papermill on backend="nccl", device="cuda", `--nproc` ranks
-  (one GPU per rank), each in a process of its own, so one failure does not hide the next.
+  (one GPU per rank; by default the GPUs, at most 2), each in a process of its own, so one
+  failure does not hide the next. A notebook that needs more ranks than that (its parameters
+  cell raises TooFewRanks, e.g. 02 on one GPU) or more GPUs (TooFewGPUs) is a skip, its reason
+  in the row; more `--nproc` than GPUs skips the notebooks, saying what to pass instead.
 
 It prints the table, writes it to runs/gpu-check/<run>/table.md with the logs beside it, and
 exits 1 if any row failed. Without a GPU every row that needs one is "skip", with the reason,
@@ -156,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m zero_lab.course.gpu_check",
                                      description=__doc__.split("\n\n")[0])
     parser.add_argument("--nproc", type=int, default=None,
-                        help="ranks per notebook launch (default: the GPUs, at most 2)")
+                        help="ranks per notebook launch, one GPU each (default: the GPUs, "
+                        "at most 2); notebooks that need more ranks are skipped")
     parser.add_argument("--only", default=None, help="notebooks whose name starts with this")
     parser.add_argument("--no-notebooks", action="store_true", help="the tests only")
     parser.add_argument("--no-tests", action="store_true", help="the notebooks only")
@@ -174,8 +178,15 @@ def main(argv: list[str] | None = None) -> int:
     else:
         import torch
 
-        nproc = args.nproc or min(2, torch.cuda.device_count())
-        rows += run_notebooks(out, nproc, args.only)
+        gpus = torch.cuda.device_count()
+        nproc = args.nproc or min(2, gpus)
+        if nproc > gpus:  # the runner refuses NCCL without a GPU per rank: each would fail
+            rows.append(Row("notebooks", "skip", 0.0, f"--nproc {nproc} needs one GPU per rank "
+                            f"and this machine has {gpus}: leave --nproc out (make gpu-check "
+                            f"without NPROC: one rank per GPU, at most 2) or pass --nproc "
+                            f"{gpus}"))
+        else:  # a notebook that needs more ranks than nproc refuses it: its row is a skip
+            rows += run_notebooks(out, nproc, args.only)
     text = table(rows)
     (out / "table.md").write_text(text)
     print(text + f"\n(also in {out / 'table.md'})")
