@@ -28,9 +28,11 @@ A precision *policy* refines the recipe in two ways, as torch FSDP2's MixedPreci
   kept parameter is its own master: 4 (param) + 4 (grad) + 8 (Adam) = 16 bytes, as a 16-bit
   one's 2 + 2 + 12; only its collectives carry 4 bytes an element instead of 2. The flat
   buffers hold one dtype, so kept parameters get buffers (stages 0-2) or units (stage 3, as
-  FSDP2's separate fully_shard call on the norm) of their own. The policy is per module,
-  not per parameter: one op mixing a 16-bit weight with an fp32 bias of the same module
-  would fail.
+  FSDP2's separate fully_shard call on the norm) of their own. The policy changes a dtype,
+  not where a parameter lives: with root_params="replicate", a kept module the root holds
+  is a unit kept whole on every rank, as the root (units.make_units). The policy is per
+  module, not per parameter: one op mixing a 16-bit weight with an fp32 bias of the same
+  module would fail.
 - `reduce_dtype=torch.float32`: gradients are reduced in fp32 (FSDP2's reduce_dtype): the
   16-bit gradient buffer is widened before the collective (4 bytes an element on the wire,
   the ledger's count) and the fp32 average is kept as the master's gradient, what the

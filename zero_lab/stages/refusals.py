@@ -1,17 +1,19 @@
 """What `shard()` refuses before it changes anything, each refusal with its reason: arguments
 out of range, and models that would otherwise train silently wrong (batch statistics, sparse
 or renormalising embeddings, meta or non-fp32 parameters, parameters sharing memory, a
-model holding one that shard() already returned).
+model holding one that shard() already returned or that torch's DDP or FSDP wrapped).
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from functools import partial
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.nn.parallel import DistributedDataParallel
 
 from zero_lab.memory import PRECISIONS
 from zero_lab.stages.partition import TRANSPORTS
@@ -114,6 +116,36 @@ def refuse_batch_statistics(name: str, module: nn.Module, _args) -> None:
             "works only on CUDA with NCCL")
 
 
+def refuse_torch_wrapper(name: str, module: nn.Module) -> None:
+    """Refuse a module torch already made data parallel. DDP all-reduces the gradients in
+    hooks of its own, beside the stage's collectives on the same gradients (issue 47: a DDP
+    given to shard() at stage 0 trained 0.037 off one process, silently); FSDP1 and FSDP2
+    have sharded the parameters already, so what shard() would lay out are pieces, not the
+    model's weights."""
+    if isinstance(module, DistributedDataParallel):
+        raise ValueError(
+            f"{name} is torch's DistributedDataParallel (DDP), which averages the gradients "
+            "itself: with shard()'s own reduction as well, both would handle every gradient. "
+            "shard() does data parallelism itself (stage 0 is DDP's all-reduce): pass the "
+            "module DDP wraps, shard(ddp.module, stage)")
+    # FSDP's classes exist only once torch.distributed.fsdp is imported (0.5 s, which
+    # shard() need not pay): a module cannot be one before that.
+    fsdp = sys.modules.get("torch.distributed.fsdp")
+    if fsdp is None:
+        return
+    if isinstance(module, fsdp.FullyShardedDataParallel):
+        raise ValueError(
+            f"{name} is torch's FullyShardedDataParallel (FSDP1), which has flattened and "
+            "sharded its parameters already. shard() does the sharding itself (stage 3 is "
+            "FSDP's): build the model again without FSDP and pass it to shard()")
+    fsdp2 = getattr(fsdp, "FSDPModule", None)  # torch >= 2.6 names fully_shard's modules
+    if fsdp2 is not None and isinstance(module, fsdp2):
+        raise ValueError(
+            f"{name} was sharded by torch's fully_shard (FSDP2): its parameters are "
+            "DTensors, sharded already. shard() does the sharding itself (stage 3 is "
+            "FSDP's): build the model again without fully_shard and pass it to shard()")
+
+
 def check_model(model: nn.Module) -> None:
     """Refuse, with the reason, every case that would otherwise train silently wrong."""
     if not isinstance(model, nn.Module):
@@ -127,6 +159,7 @@ def check_model(model: nn.Module) -> None:
                 f"model.{name} is already sharded (stage {owner.sync.stage}): shard() the "
                 "outer model once, built from modules no shard() call has changed (shard() "
                 "moved that part's parameters into its own flat buffers and hooks)")
+        refuse_torch_wrapper(f"model.{name}" if name else "model", module)
     for name, module in model.named_modules():
         if (isinstance(module, nn.modules.batchnorm._BatchNorm)
                 and not isinstance(module, nn.SyncBatchNorm)):

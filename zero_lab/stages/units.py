@@ -122,6 +122,13 @@ def plan_units(model: nn.Module, unit_classes: Sequence[type] | None = None,
             if params]
 
 
+def root_parameters(model: nn.Module, unit_classes: Sequence[type] | None) -> set[int]:
+    """ids of the trainable parameters no unit claims: the root unit's, before a precision
+    policy cuts its kept modules out (plan_units without `also`)."""
+    return {id(p) for _, module, named in plan_units(model, unit_classes) if module is model
+            for _, p in named}
+
+
 def _common_prefix(chains: list[tuple[int, ...]]) -> tuple[int, ...]:
     """The longest chain of units that starts every one of `chains`."""
     common: list[int] = []
@@ -306,6 +313,10 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
         groups = {"process_group": mesh.shard_group, "replicate_group": mesh.replicate_group}
     units, masters = [], []
     kept = kept_parameter_ids(model, keep_fp32)
+    # replicate_root keeps whole what the root holds without the precision policy: keep_fp32
+    # cuts the kept modules out as units of their own (a flat buffer has one dtype), and
+    # those the root would hold stay whole too: the policy changes a dtype, not a layout.
+    at_root = root_parameters(model, unit_classes) if replicate_root else set()
     for name, module, named, cold in plan_units(model, unit_classes, also=keep_fp32,
                                                 frozen=True):
         params = [p for _, p in named]
@@ -313,7 +324,7 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
         group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
         flat = group.flatten()
         dist.broadcast(flat, src=0)  # every rank starts from rank 0's parameters
-        whole = replicate_root and module is model
+        whole = replicate_root and all(id(p) in at_root for p in params)
         local = flat if whole else group.shard(flat).clone()  # in memory of its own
         stays_fp32 = {id(p) in kept for p in params}
         if stays_fp32 == {True, False}:
