@@ -9,6 +9,7 @@ import json
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -17,7 +18,9 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
+from zero_lab.course import preflight
 from zero_lab.course import runner as course
+from zero_lab.launch import capacity
 from zero_lab.launch.paths import REPO_ROOT
 
 
@@ -216,7 +219,7 @@ def test_too_many_ranks_are_refused_before_any_kernel(course_dirs, monkeypatch, 
     _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
     started = _no_kernel(monkeypatch)
     with pytest.raises(SystemExit) as info:
-        course.main(["run", "--nproc", "64"])
+        course.run({"nproc": 64, "backend": "auto", "device": "auto"})  # what `run` runs
     assert info.value.code not in (0, None)
     assert started == [] and not (course_dirs / "runs").exists()  # no kernel, no run folder
     err = capsys.readouterr().err
@@ -229,7 +232,7 @@ def test_more_ranks_than_memory_are_refused_before_any_kernel(course_dirs, monke
     _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
     started = _no_kernel(monkeypatch)
     with pytest.raises(SystemExit):
-        course.main(["run", "--nproc", "16"])
+        course.run({"nproc": 16, "backend": "auto", "device": "auto"})
     assert started == []
     assert "nproc=16 ranks need about" in capsys.readouterr().err
 
@@ -241,12 +244,13 @@ def test_a_device_the_machine_lacks_is_refused_before_any_kernel(course_dirs, mo
     _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
     started = _no_kernel(monkeypatch)
     with pytest.raises(SystemExit) as info:
-        course.main(["run", "--device", "cuda"])
+        course.run({"nproc": 2, "backend": "auto", "device": "cuda"})
     assert info.value.code not in (0, None) and started == []
     assert "device='cuda'" in capsys.readouterr().err
 
 
-def test_make_figures_copies_from_the_run_it_made(course_dirs):
+def test_make_figures_copies_from_the_run_it_made(course_dirs, monkeypatch):
+    _child_sees_this_test(course_dirs, monkeypatch)
     _notebook(course_dirs / "notebooks" / "00_a.ipynb",
               "from zero_lab.launch.paths import figures_dir\n"
               "(figures_dir() / 'made_here.png').write_bytes(b'png')")
@@ -301,3 +305,181 @@ def test_a_figure_is_saved_whole_or_not_at_all(tmp_path, monkeypatch):
     assert info.value.errno == errno.ENOSPC and info.value.filename == str(tmp_path / "cut.png")
     assert [p.name for p in tmp_path.iterdir()] == ["whole.png"]
     plt.close(fig)
+
+
+# ---- issue 47: shared teaching servers -----------------------------------------------------
+
+def _child_sees_this_test(course_dirs, monkeypatch) -> None:
+    """`main` runs the course in a child process: point that child at this test's notebooks
+    and figures, as `course_dirs` points this process ($ZERO_LAB_RUNS_DIR it inherits)."""
+    def command(argv, run_dir):
+        code = ("import sys; from pathlib import Path; from zero_lab.course import runner; "
+                f"runner.NOTEBOOKS = Path({str(course_dirs / 'notebooks')!r}); "
+                f"runner.FIGURES = Path({str(course_dirs / 'committed_figures')!r}); "
+                "runner.main(sys.argv[1:])")
+        return [sys.executable, "-c", code, *argv, "--run-dir", str(run_dir)]
+
+    monkeypatch.setattr(course, "child_command", command)
+
+
+def test_the_run_folder_says_which_notebooks_are_done_and_which_runs(course_dirs):
+    # status.json, rewritten at each notebook: what a run that was killed leaves to read
+    _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
+    _notebook(course_dirs / "notebooks" / "01_b.ipynb",
+              "import os\nprint(open(os.path.join(os.environ['ZERO_LAB_RUNS_DIR'], "
+              "'status.json')).read())")
+    run_dir = course.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
+    cell = nbformat.read(run_dir / "executed" / "01_b.ipynb", as_version=4).cells[-1]
+    during = json.loads(cell.outputs[0]["text"])
+    assert (during["done"], during["running"], during["ended"]) == (
+        ["00_a.ipynb"], "01_b.ipynb", None)
+    after = json.loads((run_dir / "status.json").read_text())
+    assert (after["done"], after["running"], after["ended"]) == (
+        ["00_a.ipynb", "01_b.ipynb"], None, "finished")
+
+
+def test_a_run_killed_by_sigkill_says_so_in_one_line_and_its_folder_what_is_partial(
+        course_dirs, monkeypatch, capfd):
+    # Failed before: the out-of-memory killer ended the runner itself: exit 137 and no word,
+    # the notebook it ran left under a hidden temporary name, nothing saying what was done.
+    # Here a cell kills its kernel's parent, the runner, as the OOM killer would.
+    nb = course_dirs / "notebooks"
+    _notebook(nb / "00_done.ipynb", "x = 1")
+    _notebook(nb / "01_killed.ipynb", "print('before')",
+              "import os, signal\nos.kill(os.getppid(), signal.SIGKILL)", "print('after')")
+    _notebook(nb / "02_never.ipynb", "x = 1")
+    _child_sees_this_test(course_dirs, monkeypatch)
+    monkeypatch.setattr(capacity, "oom_kills", lambda root=None: None)  # no counter to read
+    with pytest.raises(SystemExit) as info:
+        course.main(["run", "--nproc", "4", "--backend", "gloo", "--device", "cpu"])
+    assert info.value.code == 128 + signal.SIGKILL  # as a shell reports a killed command
+    [run_dir] = (course_dirs / "runs" / "course").iterdir()
+    executed = run_dir / "executed"
+    err = capfd.readouterr().err
+    assert err.strip().splitlines()[-1] == (
+        "make run: the run was killed (SIGKILL), most likely by the out-of-memory killer, "
+        f"while running 01_killed.ipynb with nproc=4; {executed} holds 1 notebook complete "
+        "(00) and 01_killed.ipynb partial; try NPROC=2"), err
+    assert "Traceback" not in err
+    assert sorted(p.name for p in executed.iterdir()) == ["00_done.ipynb", "01_killed.ipynb"]
+    cells = nbformat.read(executed / "01_killed.ipynb", as_version=4).cells
+    assert cells[2].outputs[0]["text"] == "before\n" and cells[-1].outputs == []  # up to it
+    status = json.loads((run_dir / "status.json").read_text())
+    assert status["done"] == ["00_done.ipynb"] and status["running"] == "01_killed.ipynb"
+    assert status["ended"].startswith("killed (SIGKILL)")
+
+
+def test_a_killed_run_says_the_oom_killer_as_a_fact_where_its_counter_rose(tmp_path):
+    events = tmp_path / "memory.events"
+    events.write_text("oom 1\noom_kill 1\n")
+    before = capacity.OomKills(1, events)
+    status = {"done": ["00_a.ipynb", "01_b.ipynb"], "running": "02_c.ipynb", "nproc": 2}
+    said = course.killed(signal.SIGKILL, status, tmp_path, before)
+    assert said.startswith("the run was killed (SIGKILL), most likely by the out-of-memory")
+    assert said.endswith("holds 2 notebooks complete (00, 01) and 02_c.ipynb partial; close "
+                         "other kernels and programs or ask for more memory")  # nproc=2 already
+    events.write_text("oom 2\noom_kill 3\n")
+    said = course.killed(signal.SIGKILL, status, tmp_path, before)
+    assert said.startswith(f"the run was killed by the out-of-memory killer (oom_kill in "
+                           f"{events} rose by 2) while running 02_c.ipynb with nproc=2;"), said
+
+
+def _checked(path, rules: str = "", parameters: str = "") -> None:
+    """A notebook whose cell after its parameters checks them, as the course's do."""
+    nb = new_notebook(cells=[
+        new_code_cell("nproc = 2\nbackend = 'auto'\ndevice = 'auto'\n" + parameters,
+                      metadata={"tags": ["parameters"]}),
+        new_code_cell("from zero_lab.course.parameters import check_parameters\n"
+                      f"backend = check_parameters(nproc, backend, device, rank_bytes=None, "
+                      f"{rules})"),
+        new_code_cell("x = 1")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3",
+                                 "language": "python"}
+    nbformat.write(nb, path)
+
+
+def test_each_notebooks_rules_are_checked_before_the_first_notebook(course_dirs, monkeypatch,
+                                                                   capsys):
+    # Failed before: NPROC=1 ran notebooks 00-01 (59 s) before 02 refused it, NPROC=3 ran
+    # 00-02 (152 s) before 03 did.
+    nb = course_dirs / "notebooks"
+    _checked(nb / "00_any.ipynb")
+    _checked(nb / "02_pairs.ipynb", "min_nproc=2")
+    _checked(nb / "03_split.ipynb", 'divides={"batch": batch}', "batch = 16")
+    started = _no_kernel(monkeypatch)
+    for nproc, refused, rule in (
+            (1, "02_pairs.ipynb", "TooFewRanks: parameter nproc=1: must be at least 2"),
+            (3, "03_split.ipynb", "ValueError: parameter batch=16: must be divisible by nproc=3")):
+        with pytest.raises(SystemExit) as info:
+            course.run({"nproc": nproc, "backend": "gloo", "device": "cpu"})
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert f"FAILED: {refused}, its check cell\n{rule}" in err, err  # as a failing cell
+        assert "Use NPROC=2, 4 or 8 (each passes every notebook's check)" in err, err
+    assert started == [] and not (course_dirs / "runs").exists()  # no kernel, no run folder
+
+
+def test_only_the_selected_notebooks_rules_are_checked(course_dirs, monkeypatch):
+    nb = course_dirs / "notebooks"
+    _checked(nb / "00_any.ipynb")
+    _checked(nb / "02_pairs.ipynb", "min_nproc=2")
+    run_dir = course.run({"nproc": 1, "backend": "gloo", "device": "cpu"}, only="00")
+    assert [p.name for p in (run_dir / "executed").iterdir()] == ["00_any.ipynb"]
+
+
+def test_the_command_refuses_before_any_notebook_and_leaves_no_run_folder(course_dirs,
+                                                                           monkeypatch, capfd):
+    nb = course_dirs / "notebooks"
+    _checked(nb / "00_any.ipynb")
+    _checked(nb / "02_pairs.ipynb", "min_nproc=2")
+    _child_sees_this_test(course_dirs, monkeypatch)
+    with pytest.raises(SystemExit) as info:
+        course.main(["run", "--nproc", "1", "--backend", "gloo", "--device", "cpu"])
+    assert info.value.code == 2
+    assert "FAILED: 02_pairs.ipynb, its check cell\nTooFewRanks: parameter nproc=1" in (
+        capfd.readouterr().err)
+    assert list((course_dirs / "runs" / "course").iterdir()) == []
+
+
+def test_the_course_notebooks_refuse_nproc_1_and_3_by_their_own_checks(monkeypatch):
+    # The real notebooks, through the cell after their parameters (the one place their rules
+    # are written): every course notebook has one, and the runner reads each.
+    monkeypatch.setattr(capacity, "available_cores", lambda: 16)
+    monkeypatch.setattr(capacity, "available_memory", lambda: 64 * 2**30)
+    notebooks = course.course_notebooks()
+    assert all(preflight.check_cell(nb) for nb in notebooks)
+    cpu = {"backend": "gloo", "device": "cpu"}
+    assert preflight.notebook_refusals(notebooks, {"nproc": 2, **cpu}) == {}
+    one = preflight.notebook_refusals(notebooks, {"nproc": 1, **cpu})
+    assert one["02_collectives.ipynb"].startswith(
+        "TooFewRanks: parameter nproc=1: must be at least 2"), one
+    three = preflight.notebook_refusals(notebooks, {"nproc": 3, **cpu})
+    assert three["03_zero1.ipynb"].startswith(
+        "ValueError: parameter batch=16: must be divisible by nproc=3"), three
+
+
+def test_a_relative_runs_folder_is_the_folder_the_command_started_in(course_dirs, monkeypatch):
+    # Failed before: ZERO_LAB_RUNS_DIR=myruns sent figures to notebooks/myruns/... (papermill
+    # runs notebooks in notebooks/), and `make figures` copied none of them.
+    monkeypatch.chdir(course_dirs)
+    monkeypatch.setenv("ZERO_LAB_RUNS_DIR", "myruns")
+    _notebook(course_dirs / "notebooks" / "00_a.ipynb",
+              "from zero_lab.launch.paths import figures_dir, new_run_dir\n"
+              "(figures_dir() / 'made.png').write_bytes(b'png')\nprint(new_run_dir('nb'))")
+    run_dir = course.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
+    assert run_dir.parent == course_dirs / "myruns" / "course"
+    cell = nbformat.read(run_dir / "executed" / "00_a.ipynb", as_version=4).cells[-1]
+    assert Path(cell.outputs[0]["text"].strip()).parent == run_dir / "nb"
+    assert [p.name for p in course.copy_figures(run_dir / "figures")] == ["made.png"]
+    assert not (course_dirs / "notebooks" / "myruns").exists()
+
+
+def test_make_figures_fails_in_one_line_when_there_is_no_figure_to_copy(course_dirs, capsys):
+    # Failed before: "copied 0 figures" and exit status 0
+    empty = course_dirs / "runs" / "figures"
+    empty.mkdir(parents=True)
+    with pytest.raises(SystemExit) as info:
+        course.copy_figures(empty)
+    assert info.value.code == 1
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and str(empty) in err and "no figure" in err, err

@@ -2,6 +2,7 @@
 
 Parent side (the notebook kernel; tests/test_layout.py holds it):
     runner.py        `python -m zero_lab.course run`: the notebooks executed in order (`make run`)
+    preflight.py     what `make run` refuses before any kernel starts (each notebook's own checks)
     soak.py          `make soak`: notebooks run again and again beside busy processes
     bench.py         `make bench`: DDP, ZeroRedundancyOptimizer and the stages, raced
     plots.py, knob_plots.py, scaling_plots.py, trace_plots.py   the figures

@@ -13,6 +13,11 @@ which refuses, naming the parameter, its value and the rule (TypeError for a wro
 ValueError for a wrong value), and returns the backend the notebook's launches run on:
 `device` decides it ("cpu": gloo, "cuda": NCCL on one GPU a rank, refused without them).
 It imports zero_lab.launch, which imports torch only where it needs to.
+
+That cell is the one place a notebook's rules are written: `make run` runs it too, without a
+kernel, for every notebook before the first one starts (course/preflight.py), so that
+NPROC=1 is refused at once rather than when notebook 02 is reached. So the cell reads only the
+parameters cell's names, and does nothing but check.
 """
 
 from __future__ import annotations

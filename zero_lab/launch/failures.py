@@ -5,7 +5,10 @@ is the one whose exception was recorded first (the rank side writes rank{r}.erro
 timestamp), unless a rank died without one: killed by a signal (the out-of-memory killer's
 SIGKILL, a native abort) or ended by a nonzero os._exit. Then the survivors' exceptions
 ("Connection reset by peer") came after and because of it, and torchrun's own log, which
-lists each failed rank's exit code, names the culprit (`_silent_death`).
+lists each failed rank's exit code, names the culprit (`_silent_death`). A rank killed by
+SIGKILL was most likely ended by the out-of-memory killer; where the killer's count
+(`capacity.oom_kills`, read as the launch started) rose during the launch, the error says so
+as a fact.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ import shutil
 import signal
 from dataclasses import dataclass
 from pathlib import Path
+
+from zero_lab.launch import capacity
 
 
 class LaunchError(RuntimeError):
@@ -58,11 +63,14 @@ def log_listing(run_dir: Path, nproc: int) -> str:
     return "Logs:\n" + "\n".join(files + [f"  torchrun: {run_dir / 'launcher.log'}"])
 
 
-def failure(script: Path, nproc: int, run_dir: Path, returncode: int) -> LaunchError:
+def failure(script: Path, nproc: int, run_dir: Path, returncode: int,
+            oom_before: capacity.OomKills | None = None) -> LaunchError:
     """Build the error for a failed launch from the rank that failed first.
 
     That is the rank whose exception was recorded first, unless a rank died without one (see
     `_silent_death`): then it is that rank, with its signal or exit code and its stderr.
+    `oom_before`: the out-of-memory killer's count read as the launch started; where it
+    rose since, a rank killed by SIGKILL is said to be its victim as a fact.
     """
     errors = sorted(
         (json.loads(p.read_text()) for r in range(nproc)
@@ -72,7 +80,7 @@ def failure(script: Path, nproc: int, run_dir: Path, returncode: int) -> LaunchE
     death = _silent_death(errors, *_rank_exits(run_dir))
     if death is not None:
         rank = death.rank
-        head = f"rank {rank} of {nproc} died: {death.describe(script.name)}"
+        head = f"rank {rank} of {nproc} died: {death.describe(script.name, oom_before)}"
         tail = _tail(run_dir / f"rank{rank}.err", 12, skip=_CRASH_REPORT_NOISE)
         body = (f"--- rank{rank}.err (last lines) ---\n{tail}" if tail
                 else f"(rank{rank}.err is empty)")
@@ -101,6 +109,10 @@ def failure(script: Path, nproc: int, run_dir: Path, returncode: int) -> LaunchE
         # failed (or its log changed form). The stderr tails say what happened.
         rank, tail = None, ""
         head = f"{script.name} on {nproc} ranks failed (torchrun exit code {returncode})"
+        killed = oom_before.since() if oom_before is not None else 0
+        if killed > 0:  # torchrun itself, say, whose death names no rank
+            head += (f"; the out-of-memory killer ended {killed} process(es) meanwhile "
+                     f"(oom_kill in {oom_before.file}; {_FEWER})")
         body = "\n".join(
             f"--- {p.name} (last lines) ---\n{_tail(p)}"
             for p in [*(run_dir / f"rank{r}.err" for r in range(nproc)),
@@ -119,8 +131,10 @@ class _RankExit:
     code: int
     pid: int
 
-    def describe(self, script: str) -> str:
-        """How it ended, e.g. "killed by signal 9 (SIGKILL) in train.py, often the OOM killer"."""
+    def describe(self, script: str, oom_before: capacity.OomKills | None = None) -> str:
+        """How it ended, in one line, e.g. "killed by signal 9 (SIGKILL) in train.py, most
+        likely by the out-of-memory killer (...)"; a fact where the killer's count rose since
+        `oom_before` was read."""
         if self.code >= 0:
             return (f"exited with code {self.code} in {script}, without a Python exception "
                     "(os._exit, or native code)")
@@ -128,12 +142,19 @@ class _RankExit:
             name = signal.Signals(-self.code).name
         except ValueError:
             name = "unknown signal"
-        return f"killed by signal {-self.code} ({name}) in {script}" + _SIGNAL_MEANINGS.get(
-            name, "")
+        how = f"killed by signal {-self.code} ({name}) in {script}"
+        killed = oom_before.since() if oom_before is not None else 0
+        if name == "SIGKILL" and killed > 0:
+            return (f"{how}: the out-of-memory killer ended it (oom_kill in {oom_before.file} "
+                    f"rose by {killed} during the launch; {_FEWER})")
+        return how + _SIGNAL_MEANINGS.get(name, "")
 
 
+# SIGKILL is what the out-of-memory killer sends; little else sends it to one rank alone.
+_FEWER = "fewer ranks or a smaller model fit"
 _SIGNAL_MEANINGS = {
-    "SIGKILL": ", often the out-of-memory killer",
+    "SIGKILL": (", most likely by the out-of-memory killer (the machine or this user's memory "
+                f"limit ran out: {_FEWER})"),
     "SIGABRT": ", a native abort (a C++ exception nobody caught, a failed assertion)",
     "SIGSEGV": ", a crash in native code",
     "SIGBUS": ", a crash in native code",

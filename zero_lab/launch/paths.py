@@ -21,8 +21,9 @@ STUDENT = REPO_ROOT / "build" / "student"  # `make student`
 
 
 def figures_dir() -> Path:
-    """Where notebooks write figures: $ZERO_LAB_FIGURES_DIR, else runs/figures (created)."""
-    path = Path(os.environ.get("ZERO_LAB_FIGURES_DIR", RUN_FIGURES))
+    """Where notebooks write figures: $ZERO_LAB_FIGURES_DIR, else runs/figures (created).
+    A relative one is taken from the folder this process started in (see `new_run_dir`)."""
+    path = Path(os.environ.get("ZERO_LAB_FIGURES_DIR", RUN_FIGURES)).absolute()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
@@ -33,14 +34,16 @@ def new_run_dir(kind: str, root: Path | None = None) -> Path:
     Two kernels, `make test` beside `make lab`, or two learners in one course folder each get
     their own: named by the time, this process's pid and a random suffix, and made with
     `mkdir(exist_ok=False)`, so a name already taken is never shared. `root` defaults to
-    $ZERO_LAB_RUNS_DIR, else runs/.
+    $ZERO_LAB_RUNS_DIR, else runs/. A relative root is taken from the folder this process
+    started in, and the path returned is absolute: what this process passes down to a kernel
+    that runs elsewhere (papermill runs notebooks in notebooks/) still names the same folder.
     """
     import secrets
     import time
 
     if not kind or "/" in kind or kind.startswith("."):
         raise ValueError(f"kind must be a plain folder name, got {kind!r}")
-    base = Path(root or os.environ.get("ZERO_LAB_RUNS_DIR", RUNS)) / kind
+    base = Path(root or os.environ.get("ZERO_LAB_RUNS_DIR", RUNS)).absolute() / kind
     base.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y%m%d-%H%M%S")
     while True:
