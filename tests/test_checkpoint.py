@@ -16,7 +16,7 @@ import torch
 from common import MEASURE_CONSOLIDATION
 
 from zero_lab import checkpoint
-from zero_lab.checkpoint import CheckpointError
+from zero_lab.checkpoint import CheckpointError, pointer
 from zero_lab.launch import LaunchError, torchrun
 from zero_lab.launch.paths import REPO_ROOT
 
@@ -161,7 +161,10 @@ def test_consolidated_weights_load_into_fsdp2(saved, loads):
 
 
 def _break(source, broken_root, other):
-    """Copies of `source`, each broken one way; `other` is another model's checkpoint."""
+    """Copies of `source`'s step directory, each broken one way; `other` is another model's
+    checkpoint."""
+    source, other = pointer.resolve(source), pointer.resolve(other)
+
     def copy(name):
         target = broken_root / name
         shutil.copytree(source, target)

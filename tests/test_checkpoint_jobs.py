@@ -31,8 +31,8 @@ import pytest
 import torch
 
 from zero_lab import checkpoint
-from zero_lab.checkpoint import CheckpointError
-from zero_lab.checkpoint.manifest import read_manifest, verify_files
+from zero_lab.checkpoint import CheckpointError, pointer, read_manifest
+from zero_lab.checkpoint.manifest import verify_files
 from zero_lab.checkpoint.saving import check_step
 from zero_lab.launch.paths import REPO_ROOT
 
@@ -55,6 +55,13 @@ def dead_pid() -> int:
     child = subprocess.Popen([sys.executable, "-c", "pass"])
     child.wait()
     return child.pid
+
+
+def left_around(directory: Path) -> tuple[list[str], list[str]]:
+    """(what is beside the checkpoint's folder, hidden like a save's entries; what is in it)."""
+    beside = sorted(p.name for p in directory.parent.iterdir()
+                    if p.name.startswith(f".{directory.name}."))
+    return beside, sorted(p.name for p in directory.iterdir())
 
 
 def write_lock(directory: Path, pid: int, host: str) -> Path:
@@ -214,18 +221,18 @@ def test_the_first_jobs_save_completes_untouched_by_the_second(jobs):
     assert jobs["a"].get("saved"), jobs["a"] or jobs["a_log"]
     shared = jobs["root"] / "shared"
     manifest = read_manifest(shared)
-    verify_files(shared, manifest)
+    verify_files(pointer.resolve(shared), manifest)
     assert manifest["step"] == A_STEP
-    beside = sorted(p.name for p in jobs["root"].iterdir() if ".shared." in p.name)
-    assert beside == [os.readlink(shared)]  # no partial of B's, the lock released
+    # no partial of B's beside, the lock released; in the folder A's step directory alone
+    assert left_around(shared) == ([], sorted(["latest", pointer.current(shared).name]))
 
 
 def test_a_stale_lock_and_its_dead_jobs_partial_directory_are_taken_over(jobs):
     """Mutant: `_stale` always False (B refused by a lock nobody will ever release)."""
     for rank in jobs["b"]:
         assert rank["stale"] == {"saved": True, "step": 2}, rank["stale"]
-    beside = sorted(p.name for p in jobs["root"].iterdir() if ".stale." in p.name)
-    assert beside == [os.readlink(jobs["root"] / "stale")]  # the partial and the lock gone
+    stale = jobs["root"] / "stale"  # the partial and the lock gone
+    assert left_around(stale) == ([], sorted(["latest", pointer.current(stale).name]))
 
 
 def test_the_lock_is_released_when_a_save_fails(jobs):
@@ -247,7 +254,7 @@ def test_numpy_and_tensor_steps_are_saved_as_plain_ints(jobs):
     for name, step in (("numpy_step", 3), ("tensor_step", 8)):
         manifest = read_manifest(jobs["root"] / name)
         assert type(manifest["step"]) is int and manifest["step"] == step
-        assert os.readlink(jobs["root"] / name).startswith(f".{name}.step{step}-")
+        assert pointer.current(jobs["root"] / name).name.startswith(f"step{step}-")
 
 
 # ------------------------------------------------------------------ the jobs' side

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 from common import MEASURE_CONSOLIDATION
 
-from zero_lab.checkpoint import CheckpointError, publication
+from zero_lab.checkpoint import CheckpointError, pointer, publication, read_manifest
 from zero_lab.checkpoint import consolidate as checkpoint_consolidate
 from zero_lab.checkpoint.groups import match_groups
-from zero_lab.checkpoint.manifest import read_manifest, seal, verify_files
+from zero_lab.checkpoint.manifest import seal, verify_files
 from zero_lab.checkpoint.saving import check_step
 from zero_lab.launch import torchrun
 from zero_lab.launch.paths import REPO_ROOT
@@ -143,7 +143,7 @@ def test_check_step_in_one_process():
 
 
 def test_a_resealed_good_manifest_reads_and_an_edited_one_does_not(two, root):
-    directory = root / "groups"
+    directory = pointer.resolve(root / "groups")  # the step directory: its manifest.json
     manifest = read_manifest(directory)
     copy = root / "reseal_check"
     shutil.copytree(directory, copy)
@@ -156,24 +156,32 @@ def test_a_resealed_good_manifest_reads_and_an_edited_one_does_not(two, root):
 
 
 # ------------------------------------------------------------------ 5. publication
-def test_a_save_publishes_a_link_to_a_step_directory_and_leaves_nothing_beside_it(two):
+def test_a_save_publishes_a_folder_naming_its_step_directory_and_leaves_nothing_else(two):
+    """Mutant: the previous step directory left in the folder (not removed once published)."""
     for r in case(two, "published"):
         for step, found in zip((1, 2), r["steps"], strict=True):
-            assert found["is_link"] and found["step"] == step
-            assert found["target"].startswith(f".pub.step{step}-")
-            assert found["beside"] == [found["target"]]  # the previous one removed
+            assert not found["is_link"] and found["step"] == step
+            assert found["latest"].startswith(f"step{step}-")
+            assert found["in_folder"] == sorted(["latest", found["latest"]])
+            assert found["beside"] == []  # no partial, no lock
 
 
-def _publish_killed(root: Path, tmp_path: Path, kill_after: str | None, legacy: bool) -> Path:
-    """`groups` (step 3) published as `tmp_path/ckpt`, `w_fp32` (step 2) complete in its
-    partial directory, published by a child process SIGKILLed after step `kill_after`."""
+def _publish_killed(root: Path, tmp_path: Path, kill_after: str | None, before: str) -> Path:
+    """`groups` (step 3) under `tmp_path/ckpt` as `before` says, `w_fp32` (step 2) complete
+    in its partial directory, published by a child process SIGKILLed after step `kill_after`.
+    `before`: "folder" (as a save publishes it), "link" (as the previous zero_lab did: a link
+    to a step directory beside it), "real_directory" (a step directory copied under the
+    name), "none" (nothing: a first save)."""
     name = tmp_path / "ckpt"
-    old, new = (publication.current_target(root / n) for n in ("groups", "w_fp32"))
-    if legacy:
-        shutil.copytree(old, name)
-    else:
+    old, new = (pointer.resolve(root / n) for n in ("groups", "w_fp32"))
+    if before == "folder":
+        shutil.copytree(old, name / pointer.step_name(3, "a" * 12))
+        (name / pointer.LATEST).write_text(pointer.step_name(3, "a" * 12) + "\n")
+    elif before == "link":
         shutil.copytree(old, publication.hidden(name, "step3", "a" * 12))
         os.symlink(publication.hidden(name, "step3", "a" * 12).name, name)
+    elif before == "real_directory":
+        shutil.copytree(old, name)
     partial = publication.hidden(name, "partial", "b" * 12)
     shutil.copytree(new, partial)
 
@@ -196,29 +204,57 @@ KILL_POINTS = [*publication.STEPS, None]  # None: publish runs to the end
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
-@pytest.mark.parametrize("legacy", [False, True], ids=["link", "real_directory"])
+@pytest.mark.parametrize("before", ["folder", "link", "real_directory", "none"])
 @pytest.mark.parametrize("kill_after", KILL_POINTS)
 def test_a_kill_at_every_step_of_publication_leaves_a_complete_checkpoint(
-        two, root, tmp_path, kill_after, legacy):
-    """Old: `groups` (step 3) published under the name, as a link (or as a real directory, as
-    an older zero_lab or `cp -r` leaves it); new: `w_fp32` (step 2) complete in its partial
-    directory. A process publishing it is SIGKILLed after each step: the name reaches a
-    complete checkpoint, the old one until the link is swapped, the new one from then on;
-    the next save's clean-up leaves only the name and its step directory."""
-    name = _publish_killed(root, tmp_path, kill_after, legacy)
-    manifest = read_manifest(name)
-    verify_files(name, manifest)
+        two, root, tmp_path, kill_after, before):
+    """Old: `groups` (step 3) under the name, as a save publishes it, as the previous
+    zero_lab did (a link), as a copied step directory, or nothing; new: `w_fp32` (step 2)
+    complete in its partial directory. A process publishing it is SIGKILLed after each step:
+    the name reaches a complete checkpoint, the old one until `latest` is replaced (or the
+    new folder put in place), the new one from then on; the next save's clean-up leaves only
+    the name, `latest` and its step directory. Mutant: `latest` written in place, not
+    renamed over (killed after "latest written", the name reaches no complete checkpoint)."""
+    name = _publish_killed(root, tmp_path, kill_after, before)
     swapped = kill_after is None or KILL_POINTS.index(kill_after) >= 2
-    assert manifest["step"] == (2 if swapped else 3)
+    if before == "none" and not swapped:
+        with pytest.raises(CheckpointError, match="no such checkpoint directory"):
+            read_manifest(name)
+    else:
+        manifest = read_manifest(name)
+        verify_files(pointer.resolve(name), manifest)
+        assert manifest["step"] == (2 if swapped else 3)
     publication.clean_leftovers(name)
-    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(
-        ["ckpt"] + ([os.readlink(name)] if name.is_symlink() else []))
-    verify_files(name, read_manifest(name))
+    left = sorted(p.name for p in tmp_path.iterdir())
+    if before == "none" and not swapped:
+        assert left == []
+        return
+    assert left == sorted(["ckpt"] + ([os.readlink(name)] if name.is_symlink() else []))
+    if publication.is_folder(name):
+        assert sorted(os.listdir(name)) == sorted(["latest", pointer.current(name).name])
+    verify_files(pointer.resolve(name), read_manifest(name))
 
 
 def test_leftovers_are_only_ours(tmp_path):
-    """What clean_leftovers may remove: hidden entries of this name's saves, never the step
-    directory the name reaches, nor another name's (`ckpt.v2` is not `ckpt`)."""
+    """What clean_leftovers may remove: beside the folder, hidden entries of this name's
+    saves; in it, step directories and `.latest-` files that `latest` does not name. Never
+    the step directory `latest` names, another name's (`ckpt.v2` is not `ckpt`), or what is
+    no save's. Mutant: the step directory `latest` names not kept (the checkpoint removed)."""
+    for entry in (".ckpt.partial-0123abcd", ".ckpt.new-0c", ".ckpt.v2.partial-0c",
+                  "ckpt.notes", ".ckpt.step3-00ff.bak", "ckpt/step3-00ff", "ckpt/step-0d",
+                  "ckpt/step7-0123abcd", "ckpt/notes", "ckpt/step7-0123abcd.bak"):
+        (tmp_path / entry).mkdir(parents=True)
+    (tmp_path / "ckpt" / "latest").write_text("step3-00ff\n")
+    (tmp_path / "ckpt" / ".latest-0e").write_text("step7-0123abcd\n")
+    assert [p.relative_to(tmp_path).as_posix()
+            for p in publication.leftovers(tmp_path / "ckpt")] == [
+        ".ckpt.new-0c", ".ckpt.partial-0123abcd", "ckpt/.latest-0e", "ckpt/step-0d",
+        "ckpt/step7-0123abcd"]
+
+
+def test_leftovers_of_the_previous_layout_are_only_ours(tmp_path):
+    """The previous zero_lab published a name as a link to a step directory beside it: its
+    leftovers too, never the step directory the link reaches."""
     for entry in (".ckpt.partial-0123abcd", ".ckpt.step7-0123abcd", ".ckpt.link-0a",
                   ".ckpt.old-0b", ".ckpt.step3-00ff", ".ckpt.v2.partial-0c", "ckpt.notes",
                   ".ckpt.step3-00ff.bak"):
@@ -229,11 +265,11 @@ def test_leftovers_are_only_ours(tmp_path):
 
 
 # ------------------------------------------------------------------ 4. fsync
-def durable_order_problems(events: list, rank: int, parent: str) -> list[str]:
+def durable_order_problems(events: list, rank: int, folder: str) -> list[str]:
     """What is wrong with the order of one rank's fsyncs and renames in a save (empty: all
     right): its shard (rank 0: and the manifest, then the directory) fsynced before the
-    partial directory is renamed; the parent fsynced after that rename and after the link
-    replaced the name."""
+    partial directory is renamed into the checkpoint's folder; the folder fsynced after that
+    rename; `latest`'s new content fsynced before it replaces `latest`, the folder after."""
     problems = []
     wrote = [f"rank{rank}.safetensors"] + (["manifest.json"] if rank == 0 else [])
     for file in wrote:
@@ -242,7 +278,7 @@ def durable_order_problems(events: list, rank: int, parent: str) -> list[str]:
     if rank != 0:
         return problems
     renames = [i for i, e in enumerate(events) if e[0] == "rename" and ".partial-" in e[1]]
-    swaps = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == "durable"]
+    swaps = [i for i, e in enumerate(events) if e[0] == "replace" and e[2] == "latest"]
     if len(renames) != 1 or len(swaps) != 1 or swaps[0] < renames[0]:
         return problems + [f"not one rename then one swap: {events}"]
     partial = events[renames[0]][1]
@@ -250,29 +286,35 @@ def durable_order_problems(events: list, rank: int, parent: str) -> list[str]:
     for needed in [*(("fsync", f) for f in wrote), ("fsync", partial)]:
         if needed not in before:
             problems.append(f"{needed} not before the rename")
-    parent = [i for i, e in enumerate(events) if e == ("fsync", parent)]
-    if not any(renames[0] < i < swaps[0] for i in parent):
-        problems.append("the parent not fsynced between the rename and the swap")
-    if not any(i > swaps[0] for i in parent):
-        problems.append("the parent not fsynced after the swap")
+    if ("fsync", events[swaps[0]][1]) not in events[renames[0]:swaps[0]]:
+        problems.append("the new latest not fsynced before it replaces latest")
+    folder_synced = [i for i, e in enumerate(events) if e == ("fsync", folder)]
+    if not any(renames[0] < i < swaps[0] for i in folder_synced):
+        problems.append("the folder not fsynced between the rename and the swap")
+    if not any(i > swaps[0] for i in folder_synced):
+        problems.append("the folder not fsynced after the swap")
     return problems
 
 
-def test_every_file_and_directory_is_fsynced_before_publication(two, root):
+def test_every_file_and_directory_is_fsynced_before_publication(two):
     for rank, r in enumerate(case(two, "fsync_order")):
         events = [tuple(e) for e in r["events"]]
-        assert durable_order_problems(events, rank, root.name) == [], events
+        assert durable_order_problems(events, rank, "durable") == [], events
 
 
-def test_durable_order_problems_catches_missing_fsyncs(two, root):
-    """The mutants: the same save without the directory's fsync, without the parent's."""
+def test_durable_order_problems_catches_missing_fsyncs(two):
+    """The mutants: the same save without the directory's fsync, without the folder's,
+    without the new `latest`'s."""
     events = [tuple(e) for e in case(two, "fsync_order")[0]["events"]]
     without_dir = [e for e in events if not (e[0] == "fsync" and ".partial-" in e[1])]
     assert any("not before the rename" in p
-               for p in durable_order_problems(without_dir, 0, root.name))
-    no_parent = [e for e in events if e != ("fsync", root.name)]
-    assert len(durable_order_problems(no_parent, 0, root.name)) == 2
-    assert durable_order_problems([], 1, root.name) == ["rank1.safetensors never fsynced"]
+               for p in durable_order_problems(without_dir, 0, "durable"))
+    no_folder = [e for e in events if e != ("fsync", "durable")]
+    assert len(durable_order_problems(no_folder, 0, "durable")) == 2
+    no_latest = [e for e in events if not (e[0] == "fsync" and e[1].startswith(".latest-"))]
+    assert durable_order_problems(no_latest, 0, "durable") == [
+        "the new latest not fsynced before it replaces latest"]
+    assert durable_order_problems([], 1, "durable") == ["rank1.safetensors never fsynced"]
 
 
 # ------------------------------------------------------------------ 6. extras
@@ -356,7 +398,7 @@ def test_a_flipped_byte_dcp_loads_zero_lab_refuses(two, root, tmp_path):
         dcp.load(loaded, checkpoint_id=tmp_path / "dcp")
     assert not torch.equal(loaded["w"], saved)  # DCP: no error, a wrong value
     ours = tmp_path / "ours"
-    shutil.copytree(root / "groups", ours)
+    shutil.copytree(pointer.resolve(root / "groups"), ours)  # its step directory
     shard = ours / "rank0.safetensors"
     raw = bytearray(shard.read_bytes())
     raw[-3] ^= 0xFF
@@ -392,8 +434,8 @@ def test_an_interrupted_save_dcp_loads_unfinished_zero_lab_keeps_the_previous(
         loaded = {"w": torch.zeros(8)}
         dcp.load(loaded, checkpoint_id=tmp_path / "dcp")
     assert torch.equal(loaded["w"], torch.full((8,), 7.0))  # the save that never finished
-    for kill_after in publication.STEPS[:2]:  # zero_lab, killed before the link is swapped
+    for kill_after in publication.STEPS[:2]:  # zero_lab, killed before `latest` is replaced
         shutil.rmtree(tmp_path / "z", ignore_errors=True)
         (tmp_path / "z").mkdir()
-        name = _publish_killed(root, tmp_path / "z", kill_after, legacy=False)
+        name = _publish_killed(root, tmp_path / "z", kill_after, before="folder")
         assert read_manifest(name)["step"] == 3  # the previous one

@@ -43,6 +43,7 @@ from torch import nn
 
 import zero_lab.checkpoint.manifest as manifest_module
 from zero_lab import checkpoint
+from zero_lab.checkpoint import pointer
 from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
 
@@ -166,7 +167,7 @@ def identity(root: Path, rank: int, world: int) -> dict:
 
 
 def _edit(source: Path, target: Path, change, reseal: bool) -> None:
-    shutil.copytree(source, target)
+    shutil.copytree(pointer.resolve(source), target)  # the step directory, manifest and all
     path = target / "manifest.json"
     manifest = json.loads(path.read_text())
     change(manifest)
@@ -252,7 +253,8 @@ def published(root: Path, rank: int, world: int) -> dict:
         train(model, opt, step - 1, step, rank, world)
         checkpoint.save(model, opt, name, step=step)
         dist.barrier()
-        steps.append({"is_link": name.is_symlink(), "target": os.readlink(name),
+        steps.append({"is_link": name.is_symlink(), "latest": pointer.current(name).name,
+                      "in_folder": sorted(p.name for p in name.iterdir()),
                       "beside": sorted(p.name for p in root.iterdir() if ".pub." in p.name),
                       "step": checkpoint.read_manifest(name)["step"]})
     return {"steps": steps}

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from zero_lab.checkpoint import publication
+from zero_lab.checkpoint import in_use
 from zero_lab.checkpoint.manifest import read_manifest, verify_files
 from zero_lab.checkpoint.reader import Reader
 
@@ -25,7 +25,13 @@ def iter_consolidated(directory: Path | str, optimizer: bool = False
     for every optimizer state (element-wise ones in the parameter's shape). It keeps no
     reference to a tensor once yielded: what the caller drops is freed before the next one is
     read, so the peak is about the largest tensor (read in place, reader.py)."""
-    directory = publication.resolve(directory)  # one step directory, even if a save goes on
+    # One step directory, read to the end even if a save replaces the name meanwhile: held
+    # until the generator is done (or closed), so no save removes it (in_use.py).
+    with in_use.reading(directory) as step:
+        yield from _tensors(step, optimizer)
+
+
+def _tensors(directory: Path, optimizer: bool) -> Iterator[tuple[str, torch.Tensor]]:
     manifest = read_manifest(directory)
     verify_files(directory, manifest)  # it reads every file: verify them all up front
     reader = Reader(directory, manifest, verify=False)

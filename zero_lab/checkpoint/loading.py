@@ -3,11 +3,12 @@
 In three phases, the ranks agreeing after each (agreement.py), so that they go on or refuse
 together and a load that fails on any rank changes nothing on any rank:
 
-    1. which checkpoint: the published name is resolved once (a save may replace it
-       meanwhile, publication.py) and every rank compares the SHA-256 of the manifest it read:
-       ranks that name different checkpoints (a per-rank path, a `latest` read at different
-       times) refuse. Rank 0 checks the manifest's own checksum; the others read the very same
-       bytes.
+    1. which checkpoint: rank 0 resolves the published name once (a save may replace it
+       meanwhile, publication.py), every rank given the same name reads the step directory
+       rank 0 found, and each holds it until its reads are done, so no save removes it
+       (in_use.py). Every rank compares the SHA-256 of the manifest it read: ranks that name
+       different checkpoints (a per-rank path) refuse. Rank 0 checks the manifest's own
+       checksum; the others read the very same bytes.
     2. every check, and every tensor this rank needs read into new memory: its files verified
        (size, SHA-256) as it opens them, only those (reader.py).
     3. nothing failed anywhere: the extras' states, then the model's parameters, the
@@ -22,6 +23,7 @@ take the settings of the saved groups that held their parameters (groups.py).
 
 from __future__ import annotations
 
+from contextlib import ExitStack
 from pathlib import Path
 
 import torch
@@ -29,7 +31,7 @@ import torch.distributed as dist
 
 from zero_lab.checkpoint import extras as extras_
 from zero_lab.checkpoint import groups as groups_
-from zero_lab.checkpoint import layout, publication
+from zero_lab.checkpoint import in_use, layout
 from zero_lab.checkpoint.agreement import failure, gather, refuse_together
 from zero_lab.checkpoint.manifest import (
     MANIFEST,
@@ -67,33 +69,36 @@ def load(model, optimizer, directory: Path | str, extras: dict | None = None) ->
     opt = layout.sharded_optimizer(model, optimizer, weights_only=weights_only)
     rank, world = dist.get_rank(), dist.get_world_size()
 
-    # 1. Which checkpoint: every rank must have read the same manifest.
-    problem, manifest, identity, directory = None, {}, None, Path(directory)
-    try:
-        stateful = extras_.check_extras(extras)
-        directory = publication.resolve(directory)
-        manifest, identity = read_manifest_bytes(directory, check_checksum=rank == 0)
-    except Exception as exc:  # noqa: BLE001 - told to every rank, raised on every rank
-        problem = failure(exc)
-    everyone = gather({"problem": problem, "identity": identity, "where": str(directory),
-                       "step": manifest.get("step"), "groups": groups_.local_names(opt)})
-    refuse_together([e["problem"] for e in everyone])
-    for r, e in enumerate(everyone):
-        if e["identity"] != everyone[0]["identity"]:
-            raise CheckpointError(
-                f"the ranks name different checkpoints: rank 0 loads {everyone[0]['where']} "
-                f"(step {everyone[0]['step']}), rank {r} {e['where']} (step {e['step']}). "
-                "Every rank must load the same checkpoint (a per-rank path, or a 'latest' "
-                "read at different times, mixes two); every rank refused")
+    with ExitStack() as holding:  # the step directory read, held until the reads are done
+        # 1. Which checkpoint: every rank must have read the same manifest.
+        directory, problem = _held_step(holding, Path(directory), rank)
+        manifest, identity = {}, None
+        try:
+            stateful = extras_.check_extras(extras)
+            if problem is None:
+                manifest, identity = read_manifest_bytes(directory, check_checksum=rank == 0)
+        except Exception as exc:  # noqa: BLE001 - told to every rank, raised on every rank
+            problem = failure(exc)
+        everyone = gather({"problem": problem, "identity": identity, "where": str(directory),
+                           "step": manifest.get("step"), "groups": groups_.local_names(opt)})
+        refuse_together([e["problem"] for e in everyone])
+        for r, e in enumerate(everyone):
+            if e["identity"] != everyone[0]["identity"]:
+                raise CheckpointError(
+                    f"the ranks name different checkpoints: rank 0 loads "
+                    f"{everyone[0]['where']} (step {everyone[0]['step']}), rank {r} "
+                    f"{e['where']} (step {e['step']}). Every rank must load the same "
+                    "checkpoint (a per-rank path, or a 'latest' read at different times, "
+                    "mixes two); every rank refused")
 
-    # 2. Every check and every read, into new memory.
-    problem = None
-    try:
-        new = _read(model, opt, directory, manifest, weights_only, stateful,
-                    groups_.merged([e["groups"] for e in everyone]), rank, world)
-    except Exception as exc:  # noqa: BLE001
-        problem = failure(exc)
-    refuse_together(gather(problem))
+        # 2. Every check and every read, into new memory.
+        problem = None
+        try:
+            new = _read(model, opt, directory, manifest, weights_only, stateful,
+                        groups_.merged([e["groups"] for e in everyone]), rank, world)
+        except Exception as exc:  # noqa: BLE001
+            problem = failure(exc)
+        refuse_together(gather(problem))
 
     # 3. Nothing failed on any rank: overwrite.
     problem = None
@@ -105,6 +110,27 @@ def load(model, optimizer, directory: Path | str, extras: dict | None = None) ->
     refuse_together(gather(problem))
     _overwrite(opt, new)
     return manifest
+
+
+def _held_step(holding: ExitStack, name: Path, rank: int) -> tuple[Path, str | None]:
+    """The step directory this rank reads, held until `holding` closes (in_use.py), and the
+    problem met if any. Rank 0 resolves `name`; a rank given the same name reads the step
+    directory rank 0 found: each resolving it on its own, a save publishing between two
+    ranks' looks would make them name two checkpoints. Every rank calls it (one all-gather)."""
+    found, problem = name, None
+    if rank == 0:
+        try:
+            found = holding.enter_context(in_use.reading(name))
+        except Exception as exc:  # noqa: BLE001 - told to every rank in load's next gather
+            problem = failure(exc)
+    zeros_name, zeros_step = gather((str(name.absolute()), str(found.absolute())))[0]
+    if rank != 0:
+        same = zeros_name == str(name.absolute())
+        try:  # rank 0 holds its step directory: no save can remove it before this rank's lock
+            found = holding.enter_context(in_use.reading(Path(zeros_step) if same else name))
+        except Exception as exc:  # noqa: BLE001
+            problem = failure(exc)
+    return found, problem
 
 
 def _read(model, opt, directory: Path, manifest: dict, weights_only: bool, stateful: dict,

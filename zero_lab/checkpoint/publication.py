@@ -1,33 +1,34 @@
 """Publishing a checkpoint: at every instant the published name reaches a complete one.
 
-The name a learner saves to, `runs/ckpt`, is a symbolic link to a *step directory* beside it,
-`.ckpt.step3-<token>`, which holds the shards and the manifest. Replacing a checkpoint is
-replacing that link, and rename(2) replaces a link in one atomic step. So the name is a
-`latest` pointer that every reader follows without knowing it (`ckpt/manifest.json` opens,
-`ls ckpt/` lists), and no reader ever sees a half-published checkpoint:
+The name a learner saves to, `runs/ckpt`, is a folder: its step directories, and the file
+`latest` naming the one that is the checkpoint (pointer.py). Replacing a checkpoint is
+replacing `latest`, and rename(2) replaces a file in one atomic step, so no reader ever sees a
+half-published checkpoint:
 
-    1. the ranks write their shards into `.ckpt.partial-<token>`, each forcing its file to
-       disk (fsync); rank 0 writes the manifest last, fsyncs it, then the directory (its
+    1. the ranks write their shards into `runs/.ckpt.partial-<token>`, each forcing its file
+       to disk (fsync); rank 0 writes the manifest last, fsyncs it, then the directory (its
        entries are data too: without it a power loss can lose a file's name)
-    2. rename `.ckpt.partial-<token>` -> `.ckpt.step3-<token>`; fsync the parent
-    3. a new link `.ckpt.link-<token>` -> `.ckpt.step3-<token>`
-    4. rename the link over `ckpt`; fsync the parent          <- published, durably
-    5. remove the previous step directory
+    2. rename it into the folder, `runs/ckpt/step3-<token>`; fsync the folder and its parent
+    3. write `runs/ckpt/.latest-<token>` naming `step3-<token>`; fsync it
+    4. rename it over `runs/ckpt/latest`; fsync the folder              <- published, durably
+    5. remove the previous step directory, unless a reader holds it (in_use.py)
 
-A process killed between any two steps leaves `ckpt` reaching the previous checkpoint
+The partial directory is beside the folder, not in it, so a save killed before it publishes
+its first checkpoint leaves no folder, and a copy of the folder never carries a half-written
+save. The first save to a name builds the folder beside it (`runs/.ckpt.new-<token>`: the step
+directory, `latest`), then renames it to the name at step 4, so the name appears complete. A
+name that holds a checkpoint of the previous layout (a link to a step directory beside it, or
+a checkpoint directory copied on its own) is replaced the same way: the new folder is exchanged
+with it atomically where the OS can (Linux renameat2 RENAME_EXCHANGE); elsewhere the old one
+is moved aside first, the one case with an instant where the name reaches nothing.
+
+A process killed between any two steps leaves the name reaching the previous checkpoint
 (before 4) or the new one (from 4 on): tests/test_checkpoint_real_world.py kills one at each.
-What a killed save leaves (a partial directory, an unpublished step directory, a link, an
-old step directory) is removed by the next save to the name, before it writes anything, so
-retries on a full disk do not pile up copies. That save holds the name's lock (locking.py):
-no other live job is saving to the name, so all it removes is dead saves' leftovers.
-
-Why a link and not a `latest` file naming the step: the name stays a checkpoint directory
-(everything that opens `ckpt/...` works, `consolidate("ckpt")` included), and a reader that
-resolves the link once (`load` does) reads one step directory to the end even if a save
-replaces the link meanwhile. A name that holds a real directory (a checkpoint written by an
-older zero_lab, or copied with `cp -r`) is exchanged with the link atomically where the OS
-can (Linux renameat2 RENAME_EXCHANGE); elsewhere it is moved aside first, the one case with
-an instant where the name reaches nothing.
+What a killed save leaves (a partial directory, a folder being built, a step directory that
+`latest` does not name, a `.latest-` file) is removed by the next save to the name, before it
+writes anything, so retries on a full disk do not pile up copies. That save holds the name's
+lock (locking.py): no other live job is saving to the name, so all it removes is dead saves'
+leftovers and step directories that no reader holds any more.
 """
 
 from __future__ import annotations
@@ -35,11 +36,13 @@ from __future__ import annotations
 import ctypes
 import os
 import re
-import shutil
 from collections.abc import Callable
 from pathlib import Path
 
-STEPS = ("step directory in place", "link written", "link swapped", "previous removed")
+from zero_lab.checkpoint import in_use, pointer
+
+STEPS = ("step directory in place", "latest written", "latest replaced", "previous removed")
+INSIDE = re.compile(rf"\.{pointer.LATEST}-[0-9a-f]+|{pointer.STEP.pattern}")
 
 
 def fsync_file(path: Path) -> None:
@@ -61,56 +64,51 @@ def fsync_dir(path: Path) -> None:
 
 
 def hidden(directory: Path, kind: str, token: str) -> Path:
-    """`.NAME.<kind>-<token>` beside `directory`: partial, step<N>, link."""
+    """`.NAME.<kind>-<token>` beside `directory`: partial, new (a folder being built); the
+    previous layout's step<N>, link, old."""
     return directory.parent / f".{directory.name}.{kind}-{token}"
 
 
 def _ours(directory: Path) -> re.Pattern:
-    """What a save to `directory` may leave beside it (`old`: older zero_lab's)."""
-    return re.compile(rf"\.{re.escape(directory.name)}\.(partial|link|old|step\d*)-[0-9a-f]+")
+    """What a save to `directory` may leave beside it."""
+    return re.compile(rf"\.{re.escape(directory.name)}\.(partial|new|link|old|step\d*)-[0-9a-f]+")
 
 
-def current_target(directory: Path) -> Path | None:
-    """The step directory the published link reaches (None: no link of ours)."""
+def is_folder(directory: Path) -> bool:
+    """Is `directory` a checkpoint's folder (it has `latest`), or an empty directory made to
+    become one? Then a save publishes into it; anything else under the name is replaced."""
+    return directory.is_dir() and ((directory / pointer.LATEST).is_file() or (
+        not directory.is_symlink() and not any(directory.iterdir())))
+
+
+def _link_target(directory: Path) -> Path | None:
+    """The step directory beside it that a name of the previous layout links to."""
     if not directory.is_symlink():
         return None
     target = directory.parent / os.readlink(directory)
     return target if _ours(directory).fullmatch(target.name) else None
 
 
-def resolve(directory: Path | str) -> Path:
-    """The step directory a published name reaches, read once: a reader that goes on from it
-    reads one checkpoint to the end, even if a save replaces the name meanwhile."""
-    directory = Path(directory)
-    return directory.parent / os.readlink(directory) if directory.is_symlink() else directory
-
-
 def leftovers(directory: Path) -> list[Path]:
-    """What killed or failed saves left beside `directory`: every hidden entry of ours but
-    the step directory the name reaches."""
-    if not directory.parent.is_dir():
-        return []
-    keep = current_target(directory)
-    pattern = _ours(directory)
-    return sorted(p for p in directory.parent.iterdir()
-                  if pattern.fullmatch(p.name) and p != keep)
-
-
-def remove(path: Path) -> None:
-    if path.is_symlink() or path.is_file():
-        path.unlink(missing_ok=True)
-    else:
-        shutil.rmtree(path, ignore_errors=True)
+    """What killed or failed saves left: beside `directory`, every hidden entry of its saves
+    but the step directory a link under the name reaches; in its folder, every step
+    directory that `latest` does not name, and `.latest-` files."""
+    found = []
+    if directory.parent.is_dir():
+        keep, pattern = _link_target(directory), _ours(directory)
+        found += [p for p in directory.parent.iterdir() if pattern.fullmatch(p.name)
+                  and p != keep]
+    if is_folder(directory):
+        keep = pointer.current(directory)
+        found += [p for p in directory.iterdir() if INSIDE.fullmatch(p.name) and p != keep]
+    return sorted(found)
 
 
 def clean_leftovers(directory: Path) -> list[Path]:
-    """Remove what killed saves left beside `directory`; return what was removed. Call it
-    holding the name's lock (locking.py): without it, another job's save in progress looks
-    like leftovers too."""
-    found = leftovers(directory)
-    for path in found:
-        remove(path)
-    return found
+    """Remove what killed saves left around `directory`, but step directories that readers
+    still hold; return what was removed. Call it holding the name's lock (locking.py):
+    without it, another job's save in progress looks like leftovers too."""
+    return [path for path in leftovers(directory) if in_use.remove_unless_read(path)]
 
 
 def publish(partial: Path, directory: Path, step: int | None, token: str,
@@ -119,36 +117,48 @@ def publish(partial: Path, directory: Path, step: int | None, token: str,
     `on_step(name)` is called after each step of STEPS (tests kill the process there).
     Returns the step directory."""
     done = on_step or (lambda name: None)
-    parent = directory.parent
-    previous = current_target(directory)
-    step_dir = hidden(directory, f"step{'' if step is None else step}", token)
+    if is_folder(directory):
+        folder, previous = directory, pointer.current(directory)
+    else:  # a first save, or the previous layout: a new folder, put in place at step 4
+        folder, previous = hidden(directory, "new", token), None
+        folder.mkdir()
+    step_dir = folder / pointer.step_name(step, token)
     partial.rename(step_dir)
-    fsync_dir(parent)
+    fsync_dir(folder)
+    fsync_dir(directory.parent)
     done(STEPS[0])
-    link = hidden(directory, "link", token)
-    os.symlink(step_dir.name, link)  # relative: the pair can be moved or mounted elsewhere
+    written = folder / f".{pointer.LATEST}-{token}"
+    written.write_text(step_dir.name + "\n")
+    fsync_file(written)
     done(STEPS[1])
-    if directory.is_dir() and not directory.is_symlink():
-        _replace_directory(link, directory)
-    else:
-        os.replace(link, directory)  # atomic: the old link or the new, never neither
-    fsync_dir(parent)
+    os.replace(written, folder / pointer.LATEST)  # atomic: the old `latest` or the new
+    fsync_dir(folder)
+    if folder != directory:
+        _put_in_place(folder, directory, token)
+        fsync_dir(directory.parent)
     done(STEPS[2])
     if previous is not None and previous != step_dir:
-        remove(previous)
+        in_use.remove_unless_read(previous)
     done(STEPS[3])
-    return step_dir
+    return directory / step_dir.name
 
 
-def _replace_directory(link: Path, directory: Path) -> None:
-    """Put `link` where the real directory `directory` is, then remove that directory."""
-    if _exchange(link, directory):
-        remove(link)  # now the old directory
+def _put_in_place(folder: Path, directory: Path, token: str) -> None:
+    """The new `folder` (built beside) under the name `directory`; what the name held before
+    (the previous layout's link or checkpoint directory) removed, unless a reader holds it."""
+    if not directory.exists() and not directory.is_symlink():
+        folder.rename(directory)  # a first save: the name appears, complete
         return
-    aside = hidden(directory, "old", link.name.rsplit("-", 1)[-1])
-    directory.rename(aside)  # the one instant without a checkpoint under the name
-    os.replace(link, directory)
-    remove(aside)
+    linked = _link_target(directory)
+    if _exchange(folder, directory):
+        old = folder  # the exchange left what the name held where the folder was
+    else:
+        old = hidden(directory, "old", token)
+        directory.rename(old)  # the one instant without a checkpoint under the name
+        folder.rename(directory)
+    in_use.remove_unless_read(old)
+    if linked is not None:
+        in_use.remove_unless_read(linked)
 
 
 def _exchange(a: Path, b: Path) -> bool:

@@ -9,8 +9,8 @@ together (agreement.py):
        refuses: another job is saving to the same name.
     2. write: each rank writes its shard (and its extras) into a hidden partial directory and
        forces it to disk.
-    3. publish (rank 0): the manifest last, fsynced with the directory, then the name is
-       pointed at the new step directory in one atomic rename (publication.py).
+    3. publish (rank 0): the manifest last, fsynced with the directory, then the name's
+       `latest` is pointed at the new step directory in one atomic rename (publication.py).
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ import torch.distributed as dist
 from safetensors.torch import save_file
 
 from zero_lab.checkpoint import extras as extras_
-from zero_lab.checkpoint import layout, locking, publication
+from zero_lab.checkpoint import layout, locking, pointer, publication
 from zero_lab.checkpoint.agreement import check_same, failure, gather, refuse_together
 from zero_lab.checkpoint.manifest import FORMAT, MANIFEST, CheckpointError, sha256, write_manifest
 
@@ -59,12 +59,14 @@ def check_step(step: object) -> int | None:
 
 
 def _check_target(directory: Path) -> None:
-    """Refuse a target that is not ours to replace."""
+    """Refuse a target that is not ours to replace: a checkpoint's folder, an empty directory,
+    or a checkpoint of the previous layout (a link to a step directory, a copied one) are."""
     if directory.exists() and not directory.is_dir():
         raise CheckpointError(f"{directory} exists and is not a directory")
-    if directory.is_dir() and any(directory.iterdir()) and not (directory / MANIFEST).exists():
-        raise CheckpointError(f"{directory} exists and is not a checkpoint (no {MANIFEST}); "
-                              "refusing to overwrite it")
+    if (directory.is_dir() and not publication.is_folder(directory)
+            and not (directory / MANIFEST).exists()):
+        raise CheckpointError(f"{directory} exists and is not a checkpoint (no "
+                              f"{pointer.LATEST} nor {MANIFEST}); refusing to overwrite it")
 
 
 def _settings(opt) -> list[dict]:
@@ -116,6 +118,8 @@ def save(model, optimizer, directory: Path | str, step: int | None = None,
                 partial.mkdir(parents=True)
             except OSError as exc:
                 problem = f"{partial}: cannot create the checkpoint directory ({exc})"
+            except Exception as exc:  # noqa: BLE001 - a hand-edited `latest`: every rank refuses
+                problem = failure(exc)
         refuse_together(gather(problem))
 
         # 2. Each rank writes what it holds, and forces it to disk.

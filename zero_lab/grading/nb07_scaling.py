@@ -386,7 +386,7 @@ def check_resume_with_extras(with_extras: dict, without_extras: dict,
 def check_killed_resume(published_step: int, resumed_from: int, published_before_kill: int = 2
                         ) -> None:
     """Going further: a job saving every step was killed while publishing its next save (the new
-    step directory complete, its link written, the name not yet replaced). The name must
+    step directory complete, its `latest` written, not yet in place). The name must
     still hold the last checkpoint published before the kill, complete, and the new job
     must resume from exactly that step."""
     assert published_step == published_before_kill, (

@@ -13,7 +13,7 @@ anything with `state_dict` / `load_state_dict`, per rank where it differs per ra
     save     train STEPS steps (the uninterrupted run) and, from the same start, SAVE_AT steps
              then save with the extras; report both runs' final weights
     forever  save after every step; the third save is killed (SIGKILL) while it publishes:
-             its step directory complete, its link written, the name not yet replaced
+             its step directory complete, its `latest` written, not yet in place
     resume   from --dir, differently seeded: load with the extras and train to STEPS, then
              the same without the extras; from --killed, load and train two more steps
 """
