@@ -11,7 +11,8 @@ A trace of `shard(model, stage)` reads like the lesson:
     optimizer step              ShardedOptimizer.step(): the update and, at stages 1-2,
                                 the all-gather of the updated slices
     zero_grad
-    check / lockstep            the ranks compare where they are, once a step (lockstep.py)
+    check / lockstep            the ranks compare where they are, once a step (lockstep.py),
+                                and at stage 3 before each unit of the first forward
     check / buffers changed     ... and whether a buffer changed on any rank (buffers.py):
                                 control, not data; not counted among the collectives
 

@@ -165,8 +165,10 @@ def shard(
                          parameter without a gradient; True lets it go unused
       broadcast_buffers  DDP's: rank 0's buffers go to every rank before a training forward
       check_lockstep     once a step, 24 bytes a rank: same step count and unit order, else
-                         every rank raises, naming the ranks (lockstep.py)
-      check_order        stage 3 debug aid: every all-gather checked to be the same unit
+                         every rank raises, naming the ranks (lockstep.py); at stage 3 also
+                         before each unit's all-gather of the first forward (the unit named)
+      check_order        stage 3 debug aid: every all-gather of every forward checked to be
+                         the same unit
     variants the course measures
       transport          "auto" (direct exchange on gloo, torch's collectives elsewhere),
                          "torch" or "direct" (collectives/exchange.py)

@@ -30,8 +30,16 @@ It costs one small blocking all-gather a step (about the latency of one collecti
 bench` measures it against stage 3 with `check_lockstep=False`). A CommLedger keeps it apart
 from the data (`ledger.control`), so volumes stay the ZeRO paper's; a profiler trace names it
 "check / lockstep". torch's DDP and FSDP2 do not check this (they hang, or train apart);
-`shard(..., check_lockstep=False)` turns it off, and stage 3's `check_order=True` stays the
-finer debug aid (a check before every all-gather).
+`shard(..., check_lockstep=False)` turns it off.
+
+Stage 3 also checks before a unit's all-gather ("gather": the unit's index in place of the
+fingerprint), in the first forward, which has no learnt order yet, and, with
+`check_order=True`, in every forward. A forward-end check is the same message, so a rank about
+to gather one unit more than the others meets their forward-end check and every rank raises,
+naming the unit: a branch that calls a unit on some ranks only is named at that unit
+("the ranks' forwards differ: rank 0 gathers unit 'extra' while the ranks gather
+{0: 'extra', 1: 'layers.2'} ..."), before its all-gather pairs with another unit's (units of
+one size silently, of different sizes with gloo aborting a rank) or waits for ever.
 """
 
 from __future__ import annotations
@@ -46,14 +54,24 @@ from zero_lab.collectives.ledger import control_message
 from zero_lab.profiling.marks import LOCKSTEP_CHECK, mark
 
 # What a rank is about to do when it checks (the first integer it sends).
-PHASES = {"forward": 1, "backward": 2, "step": 3, "buffers": 4, "state": 5}
+PHASES = {"forward": 1, "backward": 2, "step": 3, "buffers": 4, "state": 5, "gather": 6}
 _DOING = {
     "forward": "ended a forward",
     "backward": "started a backward",
     "step": "is in an opt.step() with no backward since its last step",
     "buffers": "started a training forward",
     "state": "is in full_state_dict()",
+    "gather": "is about to all-gather a unit",
 }
+# What the "gather" check says when the ranks would gather different units (or one would
+# gather a unit and the others have ended their forward): the likely cause and its fixes.
+GATHERS_DIFFER = (
+    "Stage 3 pairs each unit's all-gather with the same-numbered all-gather of the other "
+    "ranks, so every rank must call the same units in the same order. Look for a branch "
+    "around a unit's call that depends on the rank (`if dist.get_rank() == 0:`) or on this "
+    "rank's data (`if x.abs().max() > 1:`): call the unit on every rank (and drop its output "
+    "where it is not wanted), or take the branch on every rank alike (decide it from an "
+    "all-reduced value)")
 
 
 def order_fingerprint(order: list[int]) -> int:
@@ -73,11 +91,12 @@ class Lockstep:
         self.seconds = 0.0  # spent inside check() so far (make bench reports it per step)
 
     def check(self, phase: str, steps: int, fingerprint: int = 0,
-              detail: Callable[[], str] | None = None, why: str | None = None) -> None:
+              detail: Callable[[], str | dict] | None = None, why: str | None = None) -> None:
         """Raise RuntimeError on every rank if the ranks differ. `detail()` says in words
-        what the fingerprint stands for (stage 3: the units in the order they ran); it is
-        called, and its text gathered from every rank, only when the ranks differ. `why`
-        explains a difference in the fingerprint alone (default: stage 3's unit order)."""
+        what the fingerprint stands for (stage 3: the units in the order they ran; for
+        "gather", a dict: the unit's name and the units this forward gathered before it); it
+        is called, and gathered from every rank, only when the ranks differ. `why` explains a
+        difference in the fingerprint alone (default: stage 3's unit order)."""
         if not self.enabled:
             return
         mine = torch.tensor([PHASES[phase], steps, fingerprint], dtype=torch.int64,
@@ -94,7 +113,40 @@ class Lockstep:
         # Every rank found the same difference, so every rank joins this second gather.
         details: list = [None] * self.world_size
         dist.all_gather_object(details, detail() if detail else "", group=self.process_group)
+        if PHASES["gather"] in {row[0] for row in rows} and len({row[1] for row in rows}) == 1:
+            me = dist.get_rank(self.process_group)
+            raise RuntimeError(_units_differ(rows, details, me))
         raise RuntimeError(_disagreement(rows, details, why))
+
+
+def _units_differ(rows: list[tuple[int, int, int]], details: list, me: int) -> str:
+    """Stage 3, the same steps taken: some rank is about to all-gather a unit, and another
+    one another unit, or none (it ended its forward). Rank `me` says what it does first."""
+    names = {code: name for name, code in PHASES.items()}
+    gathering, after = {}, None
+    for r, ((phase, _, _), detail) in enumerate(zip(rows, details, strict=True)):
+        if names[phase] == "gather":
+            gathering[r] = detail["unit"]
+            if after is None:  # the checks before it passed: the same on every gathering rank
+                after = detail["after"]
+        else:
+            gathering[r] = "(forward ended)" if names[phase] == "forward" else (
+                f"({_DOING[names[phase]]})")
+    doing = (f"gathers unit {gathering[me]!r}" if names[rows[me][0]] == "gather"
+             else "ended its forward" if names[rows[me][0]] == "forward"
+             else _DOING[names[rows[me][0]]])
+    return (f"the ranks' forwards differ: rank {me} {doing} while the ranks gather "
+            f"{gathering} ({_position(after)}). {GATHERS_DIFFER}")
+
+
+def _position(after: list[str] | None) -> str:
+    """Where the all-gather is: "all-gather 3 of the forward, after a, b"."""
+    if after is None:  # check_order's checks in backward
+        return "in backward"
+    if not after:
+        return "all-gather 1 of the forward"
+    shown = ", ".join(after) if len(after) <= 8 else f"..., {', '.join(after[-4:])}"
+    return f"all-gather {len(after) + 1} of the forward, after {shown}"
 
 
 def _disagreement(rows: list[tuple[int, int, int]], details: list[str],

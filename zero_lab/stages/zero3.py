@@ -46,8 +46,8 @@ The plain stage (`zero_lab/plain/stage3.py`) plus:
     frozen parameters sharded         units.py            LoRA: the frozen base is most of the
       (FrozenPart), released after                        memory; backward may still need a
       their inputs' gradients                             frozen weight after the last gradient
-    lockstep of steps and forward     lockstep.py,        a rank whose units ran in another
-      order; `check_order`              zero3.py          order would pair the wrong gathers
+    lockstep; every gather checked    lockstep.py,        ranks apart pair wrong gathers; a unit
+      in forward 1, `check_order`: all  zero3.py          called on one rank only is named at it
     refusals: torch.compile, pieces   zero3.py,           a compiled graph cannot follow storage
       in `model.state_dict()`           state_dicts.py        freed and refilled; pieces are no
                                                           checkpoint (full_state_dict is)
@@ -66,11 +66,11 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zero_lab.profiling.marks import Span
 from zero_lab.stages.accumulation import FORWARDS_DIFFER, describe_forward, forward_fingerprint
+from zero_lab.stages.lockstep import Lockstep
 from zero_lab.stages.units import Unit
 from zero_lab.stages.zero2 import Zero2
 
@@ -100,8 +100,10 @@ class Zero3(Zero2):
         # Measured variant (course/bench_systems.py; not faster, see "Backward prefetch" above): a
         # training forward's end starts gathering the units its backward runs first.
         self.prefetch_into_backward = False
-        # Debug aid: before every all-gather, the ranks check they gather the same unit.
+        # Before a unit's all-gather the ranks check they gather the same unit
+        # (_check_same_unit): in the first forward always, with check_order in every one.
         self.check_order = check_order
+        self._order_lockstep: Lockstep | None = None  # check_order without check_lockstep
         self.forward_order: list[int] | None = None  # recorded on the first forward
         self.backward_order: list[int] | None = None  # recorded on the first backward
         self._forward_record: list[int] | None = None
@@ -146,7 +148,7 @@ class Zero3(Zero2):
         if unit.gathered or unit.replicated:
             return
         if unit.work is None:
-            if self.check_order:
+            if self.check_order or self._forward_record is not None:  # (the first forward)
                 self._check_same_unit(u)
             if self._gathers is not None:
                 self._gathers.append(u)
@@ -156,20 +158,34 @@ class Zero3(Zero2):
             unit.finish_gather()
 
     def _check_same_unit(self, u: int) -> None:
-        """Every rank must gather the same unit now: an all-gather of unit u's slices pairs
-        with whatever all-gather the other ranks issue, and two units of the same size would
-        pair silently (each rank computing with a mix of the two). One small all-gather of
-        the unit's index finds it first. Costs a synchronisation per unit: a debug aid."""
-        mine = torch.tensor([u], dtype=torch.int64, device=self.units[u].local.device)
-        everyone = mine.new_empty(self.world_size)
-        dist.all_gather_single(everyone, mine, group=self.units[u].group.process_group)
-        if (everyone != u).any():
-            names = {r: self.units[int(v)].name for r, v in enumerate(everyone.tolist())}
-            raise RuntimeError(
-                f"the ranks' forwards differ: rank {self.units[u].group.rank} gathers unit "
-                f"{self.units[u].name!r} while the ranks gather {names}. Stage 3 needs every "
-                "rank to run the same units in the same order (no rank-dependent control "
-                "flow around units)")
+        """Every rank must gather the same unit now. An all-gather of unit u's slices pairs
+        with whatever all-gather the other ranks issue: another unit of the same size pairs
+        silently (each rank computing with a mix of the two), one of another size makes gloo
+        abort a rank, and an all-gather the others never issue waits for ever. So before
+        the data, the ranks compare the unit's index in a lockstep check (lockstep.py, 24
+        bytes a rank): a rank about to gather one unit more than the others meets their
+        end-of-forward check, the same message. On a difference every rank raises, naming
+        the unit each was about to gather and the units this forward gathered before it.
+
+        It is a synchronisation per all-gather, so by default only the first forward pays
+        it: that forward learns the order that later ones prefetch in, and a branch that
+        depends on the rank (`if dist.get_rank() == 0: x = self.extra(x)`) is there from
+        the first step. A later forward is checked once, at its end (its order's
+        fingerprint), which a rank that gathers another unit may never reach: a branch on
+        the data, first taken at a later step, hangs or aborts there unless check_order=True
+        checks every all-gather of every forward (and backward), a debug aid."""
+        checker = self.lockstep
+        if self.check_order and not (checker is not None and checker.enabled):
+            if self._order_lockstep is None:  # check_lockstep=False: check_order still checks
+                self._order_lockstep = Lockstep(None, self.units[u].local.device)
+            checker = self._order_lockstep
+        if checker is None:
+            return
+        checker.check("gather", self.steps_taken, u, detail=lambda: {
+            "unit": self.units[u].name,
+            # None outside a forward (check_order's checks in backward)
+            "after": None if self._gathers is None else [self.units[g].name
+                                                         for g in self._gathers]})
 
     def release(self, u: int) -> None:
         unit = self.units[u]
