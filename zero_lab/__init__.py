@@ -27,6 +27,8 @@ file) names each one:
                       grading/      PARENT SIDE: exercise checks, student copies, launches of
                                     learner code
                       checkpoint/   sharded checkpoints: any stage at any world size loads them
+    taken to work     practice/     torch only, no zero_lab import: the FSDP2 training script
+                                    notebook 09 ends by running
     README.md         the package guide: every module's job, shard()'s contract, the checks
 
 The rule (tests/test_layout.py reads the import graph and holds it): code the kernel runs
