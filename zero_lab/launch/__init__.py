@@ -12,7 +12,9 @@ Each launch gets its own run folder (in the system temp dir) holding, per rank, 
 and `rank{r}.err` (that rank's stdout and stderr), `rank{r}.json` (its report) and, if it
 failed, `rank{r}.error.json` (its traceback). A failed launch keeps its folder, and its error
 names these files; a launch that succeeded returns every rank's report and stdout, and removes
-its folder (a notebook or a test suite launches hundreds of times).
+its folder (a notebook or a test suite launches hundreds of times). A folder kept lives as long
+as the process that launched it: a later launch removes it once that process is gone (a
+restarted kernel's, even one killed in the middle of a launch).
 
 No process of a launch outlives the process that called `torchrun(...)`, however that one ends
 (a timeout, an error, Ctrl-C, a kernel restart, SIGKILL): torchrun's agent dies with it and
@@ -32,6 +34,7 @@ the cell as the worker script PATH (like %%writefile, line read the same way, wi
 The rest of the launch, one job a module:
     env.py        what a single-machine launch exposes and inherits (rendezvous on files,
                   sockets on loopback, the caller's launcher variables)
+    log_dirs.py   the launch's log folder, removed once the process that launched it is gone
     failures.py   which rank failed a launch, and how (LaunchError)
     capacity.py   will nproc ranks fit: cores and memory, checked before anything starts
     rank_side.py  what runs inside every rank: init_worker(), report(), dying with the parent
@@ -54,7 +57,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zero_lab.launch import capacity
+from zero_lab.launch import capacity, log_dirs
 from zero_lab.launch import env as launch_env
 from zero_lab.launch.failures import LaunchError, LaunchTimeout, failure, log_listing
 from zero_lab.launch.rank_side import (
@@ -159,7 +162,9 @@ def torchrun(
     script_path, str_args = _check_arguments(script, args, timeout)
     chosen = resolve_backend(backend, nproc)
     capacity.check_nproc(nproc, stacklevel=3)  # cores and memory, before anything starts
-    run_dir = launch_env.new_log_dir(script_path.stem)
+    oom_before = capacity.oom_kills()  # read again if a rank dies: was it the OOM killer?
+    log_dirs.sweep()  # the folders of launches whose process is gone (a killed kernel's)
+    run_dir = log_dirs.new(script_path.stem)
     child_env = launch_env.child_env(env, run_dir, chosen)
     command = [
         # torchrun (`python -m torch.distributed.run`), entered through worker._run_agent
@@ -206,7 +211,7 @@ def torchrun(
             run_dir=run_dir,
         )
     if proc.returncode != 0:
-        error = failure(script_path, nproc, run_dir, proc.returncode)
+        error = failure(script_path, nproc, run_dir, proc.returncode, oom_before)
         full = launch_env.disk_note(run_dir)
         if full:
             error.args = (f"{error}\n{full}",)

@@ -1,5 +1,5 @@
 """What a single-machine launch exposes and inherits: where it meets, which interface its
-sockets bind, what of the caller's environment reaches the ranks, and its log folder.
+sockets bind, what of the caller's environment reaches the ranks, and a full disk named.
 
 torchrun() (launch.py) starts every launch with these, so nothing a launch starts listens
 beyond loopback: the README's section "What a launch exposes" says what each choice closes
@@ -12,7 +12,6 @@ import contextlib
 import os
 import shutil
 import sys
-import tempfile
 import warnings
 from pathlib import Path
 
@@ -34,6 +33,10 @@ def rendezvous_options(run_dir: Path) -> list[str]:
     in the run folder (mode 0700: this user's only). The agent's second TCP store, shared
     with the ranks, is turned off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE in `child_env`) and
     the ranks meet on a FileStore of their own (worker.init_worker reads ENV_STORE).
+
+    `--local-addr` gives the agent its address: without it the rendezvous looks the hostname
+    up, which waits ~10 s on a machine whose DNS answers nothing (the agent's other lookups:
+    rank_side._no_hostname_lookups).
     """
     return ["--nnodes=1", "--rdzv-backend=c10d", f"--rdzv-endpoint={run_dir / 'rendezvous'}",
             "--rdzv-conf=store_type=file", f"--rdzv-id={run_dir.name}",
@@ -49,17 +52,6 @@ def loopback_interface() -> str:
             if name.startswith("lo"):
                 return name
     return "lo0" if sys.platform == "darwin" else "lo"
-
-
-def new_log_dir(stem: str) -> Path:
-    """The launch's log folder in the temp dir; a full or unwritable one named, with the fix."""
-    try:
-        return Path(tempfile.mkdtemp(prefix=f"zero_lab-{stem}-"))
-    except OSError as exc:
-        raise OSError(exc.errno, (
-            f"cannot make the launch's log folder in {tempfile.gettempdir()}: "
-            f"{(exc.strerror or str(exc)).lower()}. Free space there, or point TMPDIR at a "
-            f"folder with space that you can write.")) from None
 
 
 def child_env(env: dict[str, str] | None, run_dir: Path, backend: str) -> dict[str, str]:

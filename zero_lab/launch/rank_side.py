@@ -147,12 +147,37 @@ def _run_agent(argv: list[str]) -> None:
     _die_with_parent(os.environ.get(ENV_LAUNCHER_PID), signal.SIGTERM)
     os.environ[ENV_AGENT_PID] = str(os.getpid())  # every rank inherits the agent's environment
     _become_subreaper()
+    _no_hostname_lookups()
     from torch.distributed.run import main
 
     try:
         main(argv)
     finally:  # the ranks are done (or torchrun was told to stop): nothing of theirs lives on
         _end_orphans()
+
+
+def _no_hostname_lookups() -> None:
+    """Make `socket.getfqdn()` in this process (the agent) return the hostname without asking DNS.
+
+    torchelastic's agent puts the machine's full name in every event it records (each rank
+    started, each rank's end, ...: seven a 2-rank launch) and in a failed rank's summary, by
+    calling socket.getfqdn(), and no option turns that off. getfqdn asks the resolver for the
+    hostname. On a machine whose hostname is in no /etc/hosts and whose DNS answers nothing
+    (a café Wi-Fi behind its login page, often on macOS), each call waits ~10 s for the
+    resolver to give up and then returns the plain hostname: a launch took ~80 s, not ~9 s.
+    On one machine the plain hostname is all there is to know, so it is returned at once, as
+    getfqdn itself returns it after the wait. The rest of a launch looks nothing up: the
+    rendezvous is given its address (`--local-addr`, env.py) and gloo its interface
+    (GLOO_SOCKET_IFNAME); tests/test_launch_offline_host.py counts the queries. Only the
+    agent is changed: the ranks are interpreters of their own.
+    """
+    import socket
+
+    def getfqdn(name: str = "") -> str:  # socket.getfqdn, less the lookup
+        name = name.strip()
+        return name if name and name not in ("0.0.0.0", "::") else socket.gethostname()
+
+    socket.getfqdn = getfqdn
 
 
 def _become_subreaper() -> None:
