@@ -20,20 +20,20 @@ from zero_lab.grading.nb08_knobs_recompute import volume as ledger_volume
 KiB = 2**10
 WIDTH = 110  # the longest printed line
 
+# left False on the last micro-batch, the units stay gathered past the step: the next forward
+# computes with the pre-step weights (tests/test_fsdp2_reshard_after_backward.py)
+NO_RESHARD_BWD = "`set_reshard_after_backward(False)` (`True` on the last micro-batch)"
 ACCUMULATION_TORCH = {
     "stage 0": "`DDP.no_sync()`",
     "stage 1": "`DDP.no_sync()` + `ZeroRedundancyOptimizer`; Megatron's distributed optimizer",
     "stage 2 sharded": "DeepSpeed ZeRO-2 (reduce-scatters every micro-batch)",
     "stage 2 unsharded": "FSDP2 `reshard_after_forward=False` (ZeRO-2-like) + "
-                         "`set_requires_gradient_sync(False)` + "
-                         "`set_reshard_after_backward(False)`",
+                         "`set_requires_gradient_sync(False)` + " + NO_RESHARD_BWD,
     "stage 3 sharded, reshard": "DeepSpeed ZeRO-3",
     "stage 3 unsharded, reshard": "FSDP2 `fully_shard` + `set_requires_gradient_sync(False)`",
-    "stage 3 sharded, keep": "FSDP2 `reshard_after_forward=False` + "
-                             "`set_reshard_after_backward(False)`",
-    "stage 3 unsharded, keep": "FSDP2 `reshard_after_forward=False` + "
-                               "`set_reshard_after_backward(False)` + "
-                               "`set_requires_gradient_sync(False)`",
+    "stage 3 sharded, keep": "FSDP2 `reshard_after_forward=False` + " + NO_RESHARD_BWD,
+    "stage 3 unsharded, keep": "FSDP2 `reshard_after_forward=False` + " + NO_RESHARD_BWD
+                               + " + `set_requires_gradient_sync(False)`",
 }
 # our accumulation runs -> the FSDP2 run of the same launch that is their torch equivalent
 ACCUMULATION_FSDP2 = {"stage 2 unsharded": "FSDP2 reshard neither",

@@ -4,11 +4,12 @@ A `Link` is one class of link in the alpha-beta model: t = steps x alpha + bytes
 NVLink and PCIe join the GPUs of one node and no more (`domain` = 8 ranks); a network link
 (InfiniBand, Ethernet) joins any number. A `Machine` is what a cluster really is: nodes of
 `node_size` GPUs on an intra-node link, joined by a network with `nics_per_node` ports per
-node. A collective over ranks of several nodes runs hierarchically, as NCCL and every
-hierarchical all-reduce do: a reduce-scatter inside each node (NVLink), then one across the
-nodes on each node's 1/g of the data (the network, every NIC carrying its share), and for an
-all-reduce the mirror all-gathers. The bytes each rank sends are the flat ring's, (N-1)/N of
-the message; the latency is (g-1) fast steps plus (m-1) network steps, not (N-1) slow ones.
+node. Across nodes NCCL sends an all-gather or a reduce-scatter as ONE flat ring through all
+N GPUs (its tree algorithms are all-reduce only; PAT covers one GPU per node): N-1 steps, of
+which m-1 cross the network (m nodes), as NCCL's own tuning model counts them. The bytes each
+rank sends are the ring's, (N-1)/N of the message, the network's share through the node's
+NICs. An all-reduce is priced as a hierarchical reduce-scatter + all-gather ((g-1) NVLink and
+(m-1) network steps each), between NCCL's tree (log2 m network steps) and its flat ring.
 
 A collective need not be a ring. On gloo the stages send their reduce-scatters and
 all-gathers as the direct exchange (`collectives/exchange.py`): every message posted at once,
@@ -288,10 +289,12 @@ def collective_terms(op: str, nbytes: float, world_size: int,
     2(N-1)/N x nbytes for all-reduce, (N-1)/N x nbytes for reduce-scatter and all-gather,
     nbytes for broadcast (`nbytes` is the full message, as in collectives/volume.py). A
     single-domain link refuses N above its domain. On a Machine with N <= node_size, the intra
-    link's ring; above, N must be whole nodes (m = N / g) and the collective is hierarchical:
-    reduce-scatter = intra-node reduce-scatter of nbytes, then a network reduce-scatter of
-    nbytes/g per GPU (the node's g shares through its NICs); all-gather the mirror;
-    all-reduce = reduce-scatter + all-gather; broadcast = network, then inside the node.
+    link's ring; above, N must be whole nodes (m = N / g). A reduce-scatter or all-gather is
+    NCCL's flat ring of N: latency (N-m) intra steps + (m-1) network steps; bandwidth the
+    intra-node share of nbytes on NVLink plus the network's share, nbytes/g per GPU through
+    the node's NICs (the two added, not overlapped: an upper bound on a pipelined ring).
+    All-reduce = hierarchical reduce-scatter + all-gather ((g-1) + (m-1) steps each);
+    broadcast = network, then inside the node.
     """
     if op not in RING_OPS:
         raise ValueError(f"op must be one of {', '.join(RING_OPS)}; got {op!r}")
@@ -323,7 +326,16 @@ def collective_terms(op: str, nbytes: float, world_size: int,
     half = "reduce_scatter" if op in ("reduce_scatter", "all_reduce") else "all_gather"
     inner = _ring(half, nbytes, g, lk.intra)
     outer = (ring_steps(half, m) * lk.inter.alpha, ring_bytes_sent(half, nbytes / g, m) * net_beta)
-    times = 2 if op == "all_reduce" else 1
+    if op != "all_reduce":
+        # NCCL runs AllGather and ReduceScatter as a flat ring over all N GPUs (the ring
+        # algorithm; its tree is AllReduce-only, PAT one GPU per node), not as NVLink + network
+        # rings: N-1 steps, m-1 of them across nodes. NVIDIA/nccl src/graph/tuning.cc prices a
+        # ring (nsteps - nInterSteps) x intraLat + nInterSteps x interLat, nsteps = N-1 and
+        # nInterSteps = nNodes-1 for these two: so do we, with the alphas above.
+        steps = ring_steps(half, n)
+        latency = (steps - (m - 1)) * lk.intra.alpha + (m - 1) * lk.inter.alpha
+        return {"latency_s": latency, "bandwidth_s": inner[1] + outer[1]}
+    times = 2
     return {"latency_s": times * (inner[0] + outer[0]),
             "bandwidth_s": times * (inner[1] + outer[1])}
 

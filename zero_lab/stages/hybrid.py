@@ -1,4 +1,4 @@
-"""Hybrid sharding (HSDP; DeepSpeed's hpZ / MiCS idea): shard inside a group, replicate across.
+"""Hybrid sharding (HSDP; DeepSpeed's MiCS): shard inside a group, replicate across.
 
 Stage 3 sharded over all N ranks all-gathers every unit across all of them, twice a step: on
 a cluster of nodes, every all-gather crosses the network. Hybrid sharding lays the N ranks
@@ -22,6 +22,10 @@ crosses: with S = 8 GPUs per node, the network carries 2(R-1)/R x Ψ/8 per GPU w
 stage 3 sends 3(m-1)/m x Ψ/8 (projection.py prices both). The price is memory: 16Ψ/S
 instead of 16Ψ/N. Stages 0-2 take the same layout (their gradients averaged level by level,
 their parameters gathered inside the group).
+
+Not ZeRO++'s hpZ: hpZ keeps the states sharded over all N ranks and adds a secondary copy of
+the parameters, sharded inside each node, for backward's all-gathers; that is the int
+`reshard_after_forward` of `shard()` (and FSDP2), not this module.
 
 `shard(model, 3, ..., mesh=(R, S))` builds the two process groups here, once per layout
 (every rank creates every group, in the same order, as `dist.new_group` requires), and
