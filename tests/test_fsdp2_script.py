@@ -27,6 +27,7 @@ import ast
 import functools
 import importlib.util
 import json
+import os
 import re
 from pathlib import Path
 
@@ -61,7 +62,19 @@ def initial_weights() -> dict:
 @functools.cache
 def one_process(worlds: tuple[int, ...]) -> tuple[dict, list[float], list[float]]:
     """The weights, losses and gradient norms of one process doing each step's micro-batches as
-    `worlds[step]` ranks would, in FSDP2's mixed precision (see the module's docstring)."""
+    `worlds[step]` ranks would, in FSDP2's mixed precision (see the module's docstring).
+    On as many threads as each rank (launch/env.py: OMP_NUM_THREADS, else 1): bf16 matmuls on
+    2 threads sum in another order, 8.8e-3 of training's move away from 1 thread (CI, where
+    pytest itself runs on every core)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    try:
+        return _one_process(worlds)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _one_process(worlds: tuple[int, ...]) -> tuple[dict, list[float], list[float]]:
     script = load_script()
     master = script.TinyLM()
     master.load_state_dict(initial_weights())
