@@ -8,6 +8,7 @@ Parent side (the notebook kernel; tests/test_layout.py holds it):
     plots.py, knob_plots.py, scaling_plots.py, trace_plots.py   the figures
     (notebook 08's closing tables are grading/nb08_knobs_tables.py, beside the checks)
     widgets.py       the interactive memory calculator
+    cheat_sheet.py   `python -m zero_lab.course.cheat_sheet` writes practice/cheat_sheet.md
 Shared (both sides of a launch):
     parameters.py    a notebook's parameters, checked before any work
     workloads.py     demo models, synthetic batches, the measured training loop
