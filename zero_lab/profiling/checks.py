@@ -149,10 +149,11 @@ def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, 
 
     1. exposed / removed lies in [low, high]. The two need not be equal, in either direction:
        hidden communication is not free (gloo's threads take the cores the compute needs), so
-       removing it can save more than the exposed time, which is a lower bound on what
-       communication costs; and on gloo the trace can over-count the exposed time (a direct
-       exchange's message counts as in flight until its wait; see analysis.py), so it can
-       also exceed the saving.
+       removing it can save more than the exposed time; and exposed time includes waiting for
+       the slowest rank, which removing communication does not save, and on gloo the trace can
+       over-count it (a direct exchange's message counts as in flight until its wait; see
+       analysis.py), so it can also exceed the saving. Only the projection at ideal overlap is
+       a lower bound; a measured exposed time is not.
     2. exposed explains the removal better than exposed + hidden would: |log(exposed /
        removed)| < |log((exposed + hidden) / removed)|. The hidden part may cost something,
        but if the saving were closer to all of it counted as exposed, the analysis would have
