@@ -37,6 +37,20 @@ def gathering(n: int, first: str, others: str) -> str:
     return str({r: first if r == 0 else others for r in range(n)})
 
 
+def assert_named_in_the_first_forward(reports: tuple[dict, ...], name: str, others_do: str,
+                                      others_gather: str, position: str) -> None:
+    """Case `name` failed every rank in the first forward, with the check's error: rank 0
+    (which takes the branch) gathers unit 'extra', the others `others_do`, at `position`."""
+    n = len(reports)
+    for rank, c in case(reports, name):
+        assert c["where"] == "forward 0", (rank, c)
+        mine = "gathers unit 'extra'" if rank == 0 else others_do
+        assert c["error"].startswith(
+            f"the ranks' forwards differ: rank {rank} {mine} while the ranks gather "
+            f"{gathering(n, 'extra', others_gather)} ({position}). "), (rank, c["error"])
+        assert CAUSE in c["error"], (rank, c["error"])
+
+
 def test_a_rank_dependent_branch_fails_the_launch_with_the_unit_named():
     """The learner's script, nothing caught: the launch's error is the check's, naming the
     unit and what every rank was gathering, with the likely cause (not a LaunchTimeout)."""
@@ -60,29 +74,18 @@ def test_a_unit_called_on_one_rank_only_is_named_before_its_all_gather(ranks, na
     """Before layers.2, rank 0 calls `extra`: of the same size (its all-gather used to pair
     with layers.2's silently, then hang), smaller or bigger (gloo aborted a rank). Every rank
     raises in the first forward, at that all-gather, before any data is exchanged."""
-    n, reports = ranks
-    for rank, c in case(reports, name):
-        assert c["where"] == "forward 0", (rank, c)
-        mine = "extra" if rank == 0 else "layers.2"
-        assert c["error"].startswith(
-            f"the ranks' forwards differ: rank {rank} gathers unit {mine!r} while the ranks "
-            f"gather {gathering(n, 'extra', 'layers.2')} (all-gather 3 of the forward, "
-            "after layers.0, layers.1). "), (rank, c["error"])
-        assert CAUSE in c["error"], (rank, c["error"])
+    _, reports = ranks
+    assert_named_in_the_first_forward(reports, name, "gathers unit 'layers.2'", "layers.2",
+                                      "all-gather 3 of the forward, after layers.0, layers.1")
 
 
 def test_a_unit_called_after_the_last_on_one_rank_is_named(ranks):
     """After the last layer, rank 0 calls `extra` while the others end their forward: its
     check meets their end-of-forward lockstep check (it used to hang there)."""
-    n, reports = ranks
-    for rank, c in case(reports, "after_the_last"):
-        assert c["where"] == "forward 0", (rank, c)
-        mine = "gathers unit 'extra'" if rank == 0 else "ended its forward"
-        assert c["error"].startswith(
-            f"the ranks' forwards differ: rank {rank} {mine} while the ranks gather "
-            f"{gathering(n, 'extra', '(forward ended)')} (all-gather 5 of the forward, "
-            "after layers.0, layers.1, layers.2, layers.3). "), (rank, c["error"])
-        assert CAUSE in c["error"], (rank, c["error"])
+    _, reports = ranks
+    assert_named_in_the_first_forward(
+        reports, "after_the_last", "ended its forward", "(forward ended)",
+        "all-gather 5 of the forward, after layers.0, layers.1, layers.2, layers.3")
 
 
 def test_check_order_names_a_branch_that_first_runs_in_a_later_forward(ranks):
