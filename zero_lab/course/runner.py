@@ -216,11 +216,10 @@ def execute_or_exit(nb: Path, out: Path, parameters: dict, config, bar) -> None:
             file=sys.stderr,
         )
         raise SystemExit(1) from None
-    except OSError as err:
+    except OSError:
         bar.close()
-        if err.errno not in WHAT_TO_DO:
+        with writes(str(out)):  # the learner's one line where the reason is known
             raise
-        raise write_failed(err, Path(err.filename)) from None
 
 
 STATUS = "status.json"
