@@ -11,7 +11,8 @@ from pathlib import Path
 import pytest
 
 from zero_lab import memory
-from zero_lab.course import cheat_sheet
+from zero_lab.course import cheat_sheet, decision_plot
+from zero_lab.predict import micro_batches
 
 ROOT = Path(__file__).resolve().parent.parent
 PRACTICE = ROOT / "zero_lab" / "practice"
@@ -69,7 +70,30 @@ def test_the_page_shows_the_courses_numbers():
     assert "| 1 | 2Ψ + 2Ψ + 12Ψ/N = 4Ψ + 12Ψ/N | 2Ψ |" in page
     assert "| 3 | 2Ψ/N + 2Ψ/N + 12Ψ/N = 16Ψ/N | 3Ψ |" in page
     assert f"{memory.model_state_bytes(7e9, 3, 8)['total'] / memory.GiB:.1f} GiB" in page
-    assert page.count("\n| ") == 2 + 5 + 2 + len(cheat_sheet.KNOBS)  # two heads, five stages
+    # three heads: five stages, the accumulation rows, the knobs
+    assert page.count("\n| ") == 2 + 5 + 2 + len(micro_batches.HOW) + 2 + len(cheat_sheet.KNOBS)
+
+
+def test_the_page_gives_the_accumulation_aware_rule_and_links_the_figure():
+    """Issue 48: the rule recommend() keeps with k micro-batches, its numbers from
+    knobs.accumulation_volume and recommend(), and the figure notebook 07 saves (committed)."""
+    page = cheat_sheet.render()
+    assert "| 2 | (k+1)Ψ | 9Ψ |" in page and "| 1 | 2Ψ | 2Ψ |" in page
+    assert "at k = 8 stage 2 sends 4.5x stage 1's" in page
+    assert "stage 2 at k = 1, stage 1 at k = 8" in page
+    link = f"](../../figures/{decision_plot.NAME}.png)"
+    assert link in page
+    assert (ROOT / "figures" / f"{decision_plot.NAME}.png").is_file()
+    nb07 = (ROOT / "notebooks" / "07_choosing_a_stage.ipynb").read_text(encoding="utf-8")
+    assert 'save_figure(fig, decision_plot.NAME)' in nb07
+
+
+def test_a_rule_that_ignores_accumulation_changes_the_page(monkeypatch):
+    """Mutant: recommend() without accumulation (k passed as 1): the worked change is gone."""
+    real = decision_plot.gpt_recommendation
+    monkeypatch.setattr(decision_plot, "gpt_recommendation",
+                        lambda n, g, accumulation=1, attention="fused": real(n, g, 1))
+    assert "stage 2 at k = 1, stage 1 at k = 8" not in cheat_sheet.render()
 
 
 def test_a_changed_formula_changes_the_page(monkeypatch):

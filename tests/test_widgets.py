@@ -19,7 +19,7 @@ def test_stage_rows_model_states_match_memory_and_activations_are_shared():
     assert [r["stage"] for r in rows] == [0, 1, 2, 3]
     shape = memory.gpt_shape(7.5e9)
     act = memory.activation_bytes(shape["n_layers"], 2048, 2, shape["hidden"], shape["heads"],
-                                  "full")
+                                  "full", attention="fused")  # notebooks 01, 07, 08's kernel
     for row in rows:
         states = memory.model_state_bytes(7.5e9, row["stage"], 64)
         assert {k: row[k] for k in ("params", "grads", "optimizer")} == {
@@ -34,7 +34,8 @@ def test_calculator_state_verdicts_and_largest_models():
                                      micro_batch=1, checkpointing="full")
     fits = {r["stage"]: r["fits"] for r in state["rows"]}
     assert fits == {0: False, 1: False, 2: False, 3: True}
-    assert all(r["fits"] == (r["total"] <= 80 * GiB) for r in state["rows"])
+    # fits: leaves notebook 07's reserve free (projection.RESERVE_FRACTION, 10%)
+    assert all(r["fits"] == (r["total"] <= 0.9 * 80 * GiB) for r in state["rows"])
     assert state["selected"]["stage"] == 3
     assert state["largest"] == {s: memory.largest_model(80 * GiB, 64, s) for s in range(4)}
 

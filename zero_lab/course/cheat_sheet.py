@@ -4,15 +4,17 @@
 Every number on the page is computed here, never typed: the bytes a rank holds come from
 `memory.model_state_bytes` (its coefficients in Ψ and N read off two world sizes, checked on
 a second Ψ), the bytes a step sends from `collectives.volume.zero_volume` over each stage's
-collectives, the worked example from `model_state_bytes` in GiB. Only the names are text,
+collectives, the worked example from `model_state_bytes` in GiB, the accumulation rows from
+`predict.knobs.accumulation_volume` and the stage choice from `projection.recommend` (the
+figure `course/decision_plot.py` draws). Only the names are text,
 and each DeepSpeed key and Megatron-LM flag below was checked against its source:
 
 DeepSpeed (deepspeedai/DeepSpeed at edaa7221): docs/_pages/config-json.md for
     "zero_optimization": {"stage"}, reduce_bucket_size, allgather_bucket_size, overlap_comm,
     stage3_prefetch_bucket_size, zero_hpz_partition_size, gradient_accumulation_steps,
     train_micro_batch_size_per_gpu, "bf16": {"enabled"}, communication_data_type and the
-    "activation_checkpointing" section; deepspeed/runtime/zero/config.py and
-    docs/code-docs/source/zero3.rst for mics_shard_size (MiCS);
+    "activation_checkpointing" section; deepspeed/runtime/config.py (0.19.8)
+    _REMOVED_ZERO_CONFIG_KEYS: mics_shard_size (MiCS) is refused, MiCS removed;
     deepspeed/runtime/activation_checkpointing/checkpointing.py for checkpoint().
 Megatron-LM (NVIDIA/Megatron-LM at d98e8a64): megatron/training/arguments.py for
     --use-distributed-optimizer, --overlap-grad-reduce, --overlap-param-gather,
@@ -39,6 +41,9 @@ from pathlib import Path
 
 from zero_lab import memory
 from zero_lab.collectives.volume import zero_volume
+from zero_lab.course import decision_plot
+from zero_lab.predict import micro_batches, projection
+from zero_lab.predict.knobs import accumulation_volume
 
 PAGE = Path(__file__).resolve().parent.parent / "practice" / "cheat_sheet.md"
 STATES = ("params", "grads", "optimizer")
@@ -63,26 +68,29 @@ NAMES = {  # stage: (FSDP2, DeepSpeed, Megatron-LM, choose it when)
         '`"zero_optimization": {"stage": 1}`',
         "`--use-distributed-optimizer`; Megatron-FSDP "
         "`--data-parallel-sharding-strategy optim`",
-        "Adam's states do not fit; same bytes sent as DDP"),
+        "Adam's states do not fit; DDP's bytes at any accumulation k"),
     2: ("no direct equivalent; `fully_shard(m, reshard_after_forward=False)` is ZeRO-2-like "
         "(SHARD_GRAD_OP: parameters gathered once a step, kept through backward)",
         '`"zero_optimization": {"stage": 2}`',
         "`--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads`",
-        "gradients do not fit either; DDP's bytes (accumulating reduce-scatters each micro-batch)"),
+        "gradients do not fit either: DDP's bytes at k = 1, but (k+1)Ψ with k micro-batches "
+        "(it reduce-scatters each one)"),
     3: ("`fully_shard(m, reshard_after_forward=True)` per block, then the root (the default)",
         '`"zero_optimization": {"stage": 3}`',
         "`--use-megatron-fsdp --data-parallel-sharding-strategy optim_grads_params`",
         "the parameters themselves do not fit; {ratio}x the bytes"),
     HSDP: ('`fully_shard(m, mesh=init_device_mesh("cuda", (R, S), mesh_dim_names='
            '("replicate", "shard")))`',
-           'stage 3 + MiCS `"mics_shard_size": S`',
+           "none since DeepSpeed 0.19 (MiCS removed, DeepSpeed issue 8489); stage 3 + hpZ "
+           '`"zero_hpz_partition_size": S` gathers inside a node but keeps states sharded '
+           "over all N",
            "`--use-megatron-fsdp` with `--num-distributed-optimizer-instances R` "
            "(`--outer-dp-sharding-strategy no_shard`)",
            "stage 3 on several nodes: parameters never cross the network"),
 }
 
 # The knobs (08_knobs): FSDP2, DeepSpeed, Megatron-LM. hpZ (ZeRO++) is the int form of
-# reshard_after_forward: a secondary parameter copy sharded inside a node, not HSDP/MiCS.
+# reshard_after_forward: a secondary parameter copy sharded inside a node, not HSDP.
 KNOBS = (
     ("bucket size",
      "none: a `fully_shard` unit is one bucket (wrap per block)",
@@ -103,7 +111,8 @@ KNOBS = (
      "none"),
     ("accumulation",
      "`m.set_requires_gradient_sync(False)` on all but the last micro-batch "
-     "(DDP: `no_sync()`)",
+     "(DDP: `no_sync()`); between micro-batches FSDP2 holds the unsharded gradient in "
+     "`reduce_dtype` (4 bytes a parameter with fp32)",
      "`gradient_accumulation_steps`, `train_micro_batch_size_per_gpu`",
      "`--micro-batch-size`, `--global-batch-size`"),
     ("precision policy",
@@ -181,6 +190,44 @@ def row(stage) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
+def accumulation_rows(k: int = 8) -> list[str]:
+    """One row per way a stage accumulates (`predict.micro_batches`): what it sends per
+    optimizer step, as a formula in k and at `k`, and what it does."""
+    rows = []
+    for (stage, mode), how in micro_batches.HOW.items():
+        name = f"{stage}" + (" (gradients unsharded)" if (stage, mode) == (3, "unsharded") else "")
+        value = accumulation_volume(stage, k, grad_accumulation=mode)
+        rows.append(f"| {name} | {micro_batches.volume_formula(stage, mode)} | {value:g}Ψ | "
+                    f"{how} |")
+    return rows
+
+
+def choosing(k: int = 8) -> list[str]:
+    """The rule `projection.recommend` keeps, with one worked change from the figure."""
+    ratio = accumulation_volume(2, k) / accumulation_volume(1, k)
+    one, many = (decision_plot.gpt_recommendation(7e9, 8, a) for a in (1, k))
+    return [
+        "## Choosing a stage",
+        "",
+        f"`projection.recommend` (notebook 07): the stages that fit with a "
+        f"{projection.RESERVE_FRACTION:.0%} reserve, then the fastest projected step, ties "
+        f"(within {projection.TIE:.0%}) to fewer bytes per optimizer step, then to more "
+        "headroom. With k micro-batches per optimizer step the bytes are the "
+        f"accumulation's: at k = {k} stage 2 sends {ratio:g}x stage 1's, so stage 1 wins "
+        f"wherever it fits (7B on 8 x 80 GiB GPUs: stage {one.stage} at k = 1, stage "
+        f"{many.stage} at k = {k}). Tensor parallelism does not shrink fully sharded states "
+        "below 16Ψ/N; it divides activations.",
+        "",
+        f"![recommend's choice by model size and GPU count, k = 1 and {k}]"
+        f"(../../figures/{decision_plot.NAME}.png)",
+        "",
+        f"| stage | sends per optimizer step | at k = {k} | with k micro-batches it |",
+        "| --- | --- | --- | --- |",
+        *accumulation_rows(k),
+        "",
+    ]
+
+
 def render() -> str:
     """The whole page, as `python -m zero_lab.course.cheat_sheet` writes it."""
     psi_b = f"{EXAMPLE['n_params'] / 1e9:g}B"
@@ -188,8 +235,8 @@ def render() -> str:
     lines = [
         "# ZeRO and FSDP on one page",
         "",
-        "<!-- Generated by `python -m zero_lab.course.cheat_sheet` from zero_lab/memory.py "
-        "and zero_lab/collectives/volume.py; do not edit by hand. -->",
+        "<!-- Generated by `python -m zero_lab.course.cheat_sheet` from zero_lab/memory.py, "
+        "zero_lab/collectives/volume.py and zero_lab/predict; do not edit by hand. -->",
         "",
         "Ψ parameters, N data-parallel ranks, mixed precision with Adam (bf16 parameters and "
         f"gradients, fp32 master + m + v: K = {paper['optimizer']}). Bytes a rank holds are "
@@ -206,6 +253,7 @@ def render() -> str:
         f"`memory.model_state_bytes`): {megatron['total']} bytes a parameter, not "
         f"{paper['total']}.",
         "",
+        *choosing(),
         "## The knobs",
         "",
         "| knob | FSDP2 | DeepSpeed | Megatron-LM |",

@@ -14,6 +14,7 @@ import io
 
 from zero_lab import memory
 from zero_lab.course.formatting import model_size
+from zero_lab.predict.projection import RESERVE_FRACTION
 
 GiB = memory.GiB
 # Published model sizes (GPT-2/3, Llama, the ZeRO paper's 7.5B) from 125M to 1T: a slider
@@ -32,17 +33,20 @@ def stage_rows(
     seq_len: int = 2048,
     micro_batch: int = 1,
     checkpointing: str = "full",
+    attention: str = "fused",
 ) -> list[dict]:
     """Per-rank bytes for stages 0-3: model states plus activations of a GPT-shaped model.
 
-    Activations come from `memory.activation_bytes` for `memory.gpt_shape(n_params)`; ZeRO
-    data parallelism does not shard them (each rank keeps its own micro-batch's), so they
-    are the same for every stage.
+    Activations come from `memory.activation_bytes` for `memory.gpt_shape(n_params)`, with
+    the attention kernel named (notebooks 01, 07 and 08 assume the fused one); ZeRO data
+    parallelism does not shard them (each rank keeps its own micro-batch's), so they are the
+    same for every stage.
     """
     n = int(round(n_params))
     shape = memory.gpt_shape(n)
     activations = memory.activation_bytes(
-        shape["n_layers"], seq_len, micro_batch, shape["hidden"], shape["heads"], checkpointing
+        shape["n_layers"], seq_len, micro_batch, shape["hidden"], shape["heads"], checkpointing,
+        attention=attention,
     )
     rows = []
     by_stage = memory.state_breakdown_by_stage(n, world_size, precision, optimizer)
@@ -63,13 +67,18 @@ def calculator_state(
     seq_len: int = 2048,
     micro_batch: int = 1,
     checkpointing: str = "full",
+    attention: str = "fused",
+    reserve_fraction: float = RESERVE_FRACTION,
 ) -> dict:
-    """Everything the calculator shows, as data: rows, fits per stage, largest models."""
+    """Everything the calculator shows, as data: rows, fits per stage, largest models.
+
+    A stage fits when its bytes leave `reserve_fraction` of the GPU free (notebook 07's
+    reserve: the CUDA context, NCCL's buffers, the allocator's cache and fragmentation)."""
     gpu_bytes = gpu_gib * GiB
     rows = stage_rows(n_params, world_size, precision, optimizer, seq_len, micro_batch,
-                      checkpointing)
+                      checkpointing, attention)
     for row in rows:
-        row["fits"] = row["total"] <= gpu_bytes
+        row["fits"] = row["total"] <= (1 - reserve_fraction) * gpu_bytes
     largest = {
         s: memory.largest_model(gpu_bytes, world_size, s, precision, optimizer)
         for s in memory.STAGES
@@ -78,6 +87,8 @@ def calculator_state(
         "rows": rows,
         "selected": rows[stage],
         "gpu_bytes": gpu_bytes,
+        "reserve_fraction": reserve_fraction,
+        "attention": attention,
         "largest": largest,
         "shape": memory.gpt_shape(int(round(n_params))),
     }
@@ -96,8 +107,9 @@ def verdict_lines(state: dict) -> list[str]:
         f"{(row['total'] - row['activations']) / GiB:.2f} GiB + activations "
         f"{row['activations'] / GiB:.2f} GiB "
         f"-> {'fits' if row['fits'] else 'does NOT fit'} in {gpu / GiB:.0f} GiB",
-        f"activations assume a GPT shape of {shape['n_layers']} layers x hidden "
-        f"{shape['hidden']} ({shape['heads']} heads)",
+        f"activations: {shape['n_layers']} layers x hidden {shape['hidden']} "
+        f"({shape['heads']} heads), {state['attention']} attention; fits: leaves a "
+        f"{state['reserve_fraction']:.0%} reserve",
         "largest model whose model states fit (activations excluded, as in the paper):",
         "  " + ", ".join(f"stage {s}: {model_size(n)}" for s, n in state["largest"].items()),
     ]
@@ -120,6 +132,8 @@ def memory_calculator(
     seq_len: int = 2048,
     micro_batch: int = 1,
     checkpointing: str = "full",
+    attention: str = "fused",
+    reserve_fraction: float = RESERVE_FRACTION,
 ):
     """Build the interactive calculator: an ipywidgets.VBox (display it as a cell's result).
 
@@ -153,6 +167,11 @@ def memory_calculator(
                                    style=style, layout=layout),
         "checkpointing": w.Dropdown(options=memory.CHECKPOINTING, value=checkpointing,
                                     description="activation ckpt", style=style),
+        "attention": w.Dropdown(options=memory.ATTENTION, value=attention,
+                                description="attention kernel", style=style),
+        "reserve_fraction": w.FloatSlider(value=reserve_fraction, min=0.0, max=0.3, step=0.05,
+                                          description="reserve (of GPU)", style=style,
+                                          layout=layout, readout_format=".0%"),
     }
     controls["n_params"].add_class("zero-lab-params")
     controls["world_size"].add_class("zero-lab-world-size")

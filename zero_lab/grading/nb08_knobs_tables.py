@@ -50,7 +50,8 @@ PRECISION_TORCH = {
 }
 HSDP_TORCH = {"flat": "FSDP2 `fully_shard(m, mesh=1-D mesh)`",
               "hsdp": "FSDP2 `fully_shard(m, mesh=init_device_mesh(dev, (R, S), "
-                      "mesh_dim_names=(\"replicate\", \"shard\")))`; DeepSpeed MiCS"}
+                      "mesh_dim_names=(\"replicate\", \"shard\")))`; "
+                      "DeepSpeed's MiCS (removed in 0.19)"}
 
 
 def spread_ms(seconds: list[float]) -> str:

@@ -177,7 +177,9 @@ LINKS: dict[str, Link] = {
                     f"8x A100 is typically ~230 GB/s. {_NOMINAL}, NVLink (3.4 us).", NODE),
     "nvlink4": Link("nvlink4", 3.4e-6, 1 / 370e9, "H100 SXM datasheet: NVLink 4, 900 GB/s "
                     "bidirectional = 450 GB/s per direction; nccl-tests ring all_reduce busbw "
-                    f"on 8x H100 is typically ~360-400 GB/s. {_NOMINAL}, NVLink (3.4 us).", NODE),
+                    "on 8x H100 is typically ~360-400 GB/s; NCCL's default all-reduce there "
+                    "is NVLS (NVLink SHARP, the switch adds): busbw ~480 GB/s (nccl-tests#212), "
+                    f"which this ring model does not price. {_NOMINAL}, NVLink (3.4 us).", NODE),
     "infiniband_ndr": Link("infiniband_ndr", 14e-6, 1 / 50e9, "InfiniBand NDR: 400 Gb/s = "
                            "50 GB/s per port per direction; line rate, nccl-tests reach ~90% "
                            f"of it. {_NOMINAL}, network (14 us)."),

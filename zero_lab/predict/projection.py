@@ -10,9 +10,12 @@ for direction and scale, never as a measurement.
     peak_floor_bytes  what a step holds beyond model states and activations (N divides none)
     candidates        stages 0-3 side by side (memory with a reserve, time), a decision table;
                       on several nodes, stage 3 as HSDP too
-    recommend         the stage to use: fits with the reserve, fastest, ties to less traffic
+    recommend         the stage to use: fits with the reserve, fastest, ties to less traffic;
+                      with k micro-batches a step, each stage's own accumulation
+                      (micro_batches.py), its reason in words (reasons.py)
     hybrid_bytes_per_step  what HSDP sends per step, inside the groups and across them
     flops_per_token   a transformer's training FLOPs a token: weights, attention, recompute
+                      (flops.py, re-exported here)
 
 What a projected step leaves out. `project_step` adds to the compute only *exposed*
 communication: what a step waits for with no compute to do. Hidden communication is not free
@@ -24,9 +27,11 @@ per-unit launch and copy costs, small messages' lower bandwidth and slow peers a
 A projected overhead of a fraction of a percent is no evidence against a measured 10-20%.
 
 The compute (`flops_per_token`): 6Ψ FLOPs a token for the weights, 12·L·h·s for attention
-at sequence length s, plus what checkpointing repeats (full: 8Ψ + 16·L·h·s in all), at an
-assumed `MFU` of an H100's dense bf16 peak on every FLOP done; checked against torchtitan's
-Llama 3.1 8B on 8 H100s (notebook 07, tests/test_projection.py).
+at sequence length s, plus what checkpointing repeats (full: 8Ψ + 16·L·h·s in all;
+selective: torchtitan's every second matmul of a block), at an assumed `MFU` of an H100's
+dense bf16 peak on every FLOP done; checked against torchtitan's Llama 3.1 8B on 8 H100s
+(notebook 07, tests/test_projection.py), which tests the FLOP count and the assumed MFU
+together.
 
 Checked on this machine by construction (the collectives and bytes priced are the ledger's,
 notebook 07 section 2); its times against each stage's twin, the error printed, not asserted.
@@ -38,6 +43,15 @@ from dataclasses import dataclass
 from fractions import Fraction
 
 from zero_lab import memory
+from zero_lab.predict.flops import (  # noqa: F401  (re-exported: a transformer's compute)
+    H100_BF16_FLOPS,
+    LLAMA3_8B,
+    MFU,
+    RECOMPUTE,
+    every_second_matmul_share,
+    flops_per_token,
+    transformer_compute_time,
+)
 from zero_lab.predict.links import (  # noqa: F401  (re-exported: the projection's vocabulary)
     LINKS,
     MACHINES,
@@ -53,6 +67,16 @@ from zero_lab.predict.links import (  # noqa: F401  (re-exported: the projection
     link_from_fit,
     max_world_size,
 )
+from zero_lab.predict.micro_batches import modes, state_bytes
+from zero_lab.predict.reasons import (
+    accumulation_words,
+    hybrid_words,
+    memory_words,
+    tensor_parallel_words,
+    why_not,
+)
+from zero_lab.predict.reasons import gib as _gib
+from zero_lab.predict.reasons import label as _label
 from zero_lab.predict.step_time import (  # noqa: F401  (re-exported: one step's time)
     ADAM_BYTES_PER_ELEM,
     COLLECTIVES_PER_BUCKET,
@@ -75,38 +99,6 @@ RESERVE_FRACTION = 0.10
 # Step times closer than this are a tie: the projection cannot rank them (notebook 07 shows
 # its error against measured steps).
 TIE = 0.05
-
-
-# ------------------------------------------------------------------ a transformer's compute
-
-H100_BF16_FLOPS = 989e12  # an H100 SXM's dense bf16 peak, no sparsity (NVIDIA's datasheet)
-MFU = 0.40  # the share of it a step is assumed to sustain, recomputed FLOPs included
-# What checkpointing repeats of the forward: (share of the weights' matmul FLOPs, share of
-# attention's). "selective": torchtitan's op policy recomputes every second matmul (Llama 3
-# 8B: k, o, w3, 37% of the FLOPs; counted as half) and saves attention's output.
-RECOMPUTE = {"none": (0.0, 0.0), "selective": (0.5, 0.0), "full": (1.0, 1.0)}
-
-
-def flops_per_token(n_params: float, n_layers: int, hidden: int, seq_len: int,
-                    recompute: str = "none") -> float:
-    """Training FLOPs a token: 6Ψ for the weights' matmuls (2 forward, 4 backward), 12·L·h·s
-    for attention's Q·Kᵀ and P·V (2·s·h each a layer forward, x3 with backward; the causal
-    mask's saving not counted, as Megatron and torchtitan count), plus what `recompute`
-    repeats (full: 2Ψ + 4·L·h·s, 8Ψ + 16·L·h·s in all). Ψ: the parameters that multiply
-    (an untied input embedding is a lookup)."""
-    if recompute not in RECOMPUTE:
-        raise ValueError(f"recompute must be one of {list(RECOMPUTE)}; got {recompute!r}")
-    matmuls, attention = RECOMPUTE[recompute]
-    return ((6 + 2 * matmuls) * _number("n_params", n_params)
-            + (12 + 4 * attention) * n_layers * hidden * _integer("seq_len", seq_len))
-
-
-def transformer_compute_time(n_params: float, tokens: float, n_layers: int, hidden: int,
-                             seq_len: int, recompute: str = "none",
-                             flops_per_s: float = MFU * H100_BF16_FLOPS) -> float:
-    """Seconds of one rank's forward + backward (+ recompute) on `tokens` tokens."""
-    return (_number("tokens", tokens) * flops_per_token(n_params, n_layers, hidden, seq_len,
-                                                        recompute) / flops_per_s)
 
 
 # ------------------------------------------------------------------ hybrid sharding
@@ -167,6 +159,8 @@ class Recommendation:
     comm_share: float
     reason: str
     mesh: tuple[int, int] | None = None  # stage 3 as HSDP: (replicas, shards); None: flat
+    accumulation: int = 1  # micro-batches per optimizer step, k
+    grad_accumulation: str = "sharded"  # how the stage accumulates (micro_batches.MODES)
 
 
 def hybrid_mesh(world_size: int, link) -> tuple[int, int] | None:
@@ -185,7 +179,7 @@ def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute
                buckets: int = DEFAULT_BUCKETS, overlap: float = DEFAULT_OVERLAP,
                gather_after_step: bool = False,
                reserve_fraction: float = RESERVE_FRACTION, stages=STAGES,
-               hybrid: bool = True) -> list[dict]:
+               hybrid: bool = True, accumulation: int = 1) -> list[dict]:
     """Stages 0-3 (those in `stages`) side by side, one dict each, for a decision table; with
     `hybrid` on two or more whole nodes of a Machine, one more row: stage 3 as HSDP
     (`hybrid_mesh`), its states sharded over S = node_size ranks, not N.
@@ -195,7 +189,15 @@ def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute
     (reserve_fraction x gpu_bytes), headroom_bytes (gpu_bytes - per_rank_bytes),
     fits_memory (headroom >= reserve), step_s, comm_share, volume_psi, collectives (from
     `project_step`, in the working precision), meets_time (step_s <= max_step_s), mesh
-    (None, or HSDP's (replicas, shards)), network_bytes (one GPU's, over the network).
+    (None, or HSDP's (replicas, shards)), network_bytes (one GPU's, over the network),
+    accumulation and grad_accumulation (`micro_batches`).
+
+    `accumulation`: micro-batches per optimizer step, k (`compute_s` and `activation_bytes`
+    are one micro-batch's; step_s is the optimizer step's). Each stage accumulates as it
+    really does (`micro_batches.MODES`): stages 0-1 send once, stage 2 reduce-scatters every
+    micro-batch ((k+1)Ψ), stage 3 gathers and reduce-scatters every micro-batch (3kΨ); with
+    k > 1 one more row, stage 3 holding its full gradients between micro-batches
+    (FSDP2's set_requires_gradient_sync(False): (2k+1)Ψ, the gradients' memory unsharded).
     """
     _number("n_params", n_params)
     _integer("world_size", world_size)
@@ -205,21 +207,25 @@ def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute
     _number("reserve_fraction", reserve_fraction, strict=False, top=0.9)
     if max_step_s is not None:
         _number("max_step_s", max_step_s)
+    micro = _integer("accumulation", accumulation)
     elem = memory.bytes_per_param(precision, optimizer)["params"]  # what grads are sent in
     reserve = reserve_fraction * gpu_bytes
     stages = _menu(stages)
     mesh = hybrid_mesh(world_size, link) if hybrid and 3 in stages else None
-    layouts = [(stage, None) for stage in stages] + ([(3, mesh)] if mesh else [])
+    layouts = [(stage, None, mode) for stage in stages for mode in modes(stage, micro)]
+    layouts += [(3, mesh, "sharded")] if mesh else []
     rows = []
-    for stage, layout in layouts:
+    for stage, layout, mode in layouts:
         replicas, shards = layout or (1, world_size)  # HSDP: stage 3's states over S ranks
-        states = memory.model_state_bytes(n_params, stage, shards, precision, optimizer)
+        states = state_bytes(n_params, stage, shards, precision, optimizer, mode, micro)
         floor = peak_floor_bytes(n_params, stage, buckets, precision)
         step = project_step(n_params, stage, world_size, link, compute_s, elem, buckets,
-                            overlap, gather_after_step, replicas)
-        total = states["total"] + activation_bytes + floor
+                            overlap, gather_after_step, replicas, accumulation=micro,
+                            grad_accumulation=mode)
+        total = states + activation_bytes + floor
         rows.append({
-            "stage": stage, "mesh": layout, "model_state_bytes": states["total"],
+            "stage": stage, "mesh": layout, "model_state_bytes": states,
+            "accumulation": micro, "grad_accumulation": mode,
             "activation_bytes": activation_bytes, "floor_bytes": floor,
             "per_rank_bytes": total, "reserve_bytes": reserve,
             "headroom_bytes": gpu_bytes - total, "fits_memory": gpu_bytes - total >= reserve,
@@ -241,26 +247,6 @@ def _menu(stages) -> tuple[int, ...]:
         raise ValueError(f"stages must include 3, the stage that fits when no other does; "
                          f"got {stages!r}")
     return menu
-
-
-def _label(row: dict) -> str:
-    """How a row is named in a reason: "stage 2", or "stage 3 as HSDP (8 x 8)"."""
-    if row.get("mesh"):
-        return f"stage 3 as HSDP ({row['mesh'][0]} x {row['mesh'][1]})"
-    return f"stage {row['stage']}"
-
-
-def _gib(nbytes: float) -> str:
-    return f"{nbytes / GiB:.1f} GiB"
-
-
-def _memory_words(row: dict) -> str:
-    words = f"states {_gib(row['model_state_bytes'])}"
-    if row["activation_bytes"]:
-        words += f" + activations {_gib(row['activation_bytes'])}"
-    if row["floor_bytes"]:
-        words += f" + floor {_gib(row['floor_bytes'])}"
-    return words
 
 
 def _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision, optimizer,
@@ -287,46 +273,13 @@ def _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision, op
     return n if top is None or n <= top else None
 
 
-def _per_bucket(row: dict) -> int:
-    """Collectives per bucket: HSDP adds the all-reduce across the groups to stage 3's."""
-    return COLLECTIVES_PER_BUCKET[row["stage"]] + (1 if row.get("mesh") else 0)
-
-
-def _why_not(other: dict, chosen: dict) -> str:
-    """Why `other`, tied in time with `chosen`, lost the tie-break, in words."""
-    s = _label(other)
-    if other["volume_psi"] > chosen["volume_psi"]:
-        return f"{s} sends {other['volume_psi']:g}Ψ"
-    per_bucket = other["collectives"] / (chosen["collectives"] / _per_bucket(chosen))
-    if other["collectives"] > chosen["collectives"]:
-        return f"{s} makes {per_bucket:g} collectives per bucket"
-    return (f"{s} holds {_gib(chosen['headroom_bytes'] - other['headroom_bytes'])} "
-            f"more")
-
-
-def _hybrid_words(row: dict, rows: list[dict]) -> str:
-    """Stage 3 chosen on several nodes: HSDP against flat stage 3, in words."""
-    flat = next(r for r in rows if r["stage"] == 3 and r["mesh"] is None)
-    hsdp = next((r for r in rows if r["mesh"]), None)
-    if hsdp is None:
-        return ""
-    if row is hsdp:
-        return (f"; its all-gathers stay inside a node: {hsdp['network_bytes'] / 1e9:.3g} GB a "
-                f"step over the network per GPU, where flat stage 3 sends "
-                f"{flat['network_bytes'] / 1e9:.3g} GB")
-    if not hsdp["fits_memory"]:
-        return (f"; {_label(hsdp)} would need {_gib(hsdp['per_rank_bytes'])} (its states "
-                f"sharded over one node's {hsdp['mesh'][1]} GPUs)")
-    return ""
-
-
 def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_s: float,
               precision: str = "mixed", optimizer: str = "adam",
               activation_bytes: float = 0, max_step_s: float | None = None, *,
               buckets: int = DEFAULT_BUCKETS, overlap: float = DEFAULT_OVERLAP,
               gather_after_step: bool = False, reserve_fraction: float = RESERVE_FRACTION,
               activations_checkpointed: bool = False, stages=STAGES,
-              hybrid: bool = True) -> Recommendation:
+              hybrid: bool = True, accumulation: int = 1) -> Recommendation:
     """The stage to use, with the numbers (`candidates`) and the reason in words.
 
     1. A stage fits if one rank's states + activations + peak floor leave the reserve
@@ -339,14 +292,16 @@ def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_
        collectives per step: stage 0's one all-reduce per bucket before a reduce-scatter
        and an all-gather the next forward waits for), then to more headroom.
     So: stage 0 while the model fits replicated, stage 2 when it does not, stage 3 when only
-    it fits, as HSDP if a node holds its states. `stages` is the menu (e.g. (0, 3): what
-    FSDP2 offers); it must include 3. If nothing fits: stage 3 with fits=False and what
+    it fits, as HSDP if a node holds its states. With `accumulation` = k > 1 micro-batches
+    per optimizer step (`candidates`), rule 4 weighs each stage's bytes per optimizer step:
+    stage 1 (2Ψ) before stage 2 ((k+1)Ψ) wherever stage 1 fits. `stages` is the menu (e.g.
+    (0, 3): what FSDP2 offers); it must include 3. If nothing fits: stage 3 with fits=False and what
     would fit; if some fit but none is fast enough, the fastest that fits.
     """
     rows = candidates(n_params, gpu_bytes, world_size, link, compute_s, precision, optimizer,
                       activation_bytes, max_step_s, buckets=buckets, overlap=overlap,
                       gather_after_step=gather_after_step, reserve_fraction=reserve_fraction,
-                      stages=stages, hybrid=hybrid)
+                      stages=stages, hybrid=hybrid, accumulation=accumulation)
     fitting = [r for r in rows if r["fits_memory"]]
     ok = [r for r in fitting if r["meets_time"]]
     hsdp = [r for r in ok if r["mesh"]]
@@ -359,19 +314,20 @@ def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_
         fastest = min(r["step_s"] for r in ok)
         tied = [r for r in ok if r["step_s"] <= fastest * (1 + TIE)]
         row = min(tied, key=lambda r: (r["volume_psi"], r["collectives"], -r["headroom_bytes"]))
-        reason = (f"{_label(row)}: {_memory_words(row)} leave "
+        reason = (f"{_label(row)}: {memory_words(row)} leave "
                   f"{_gib(row['headroom_bytes'])} of {_gib(gpu_bytes)} free (>= {reserve}), "
                   f"projected step {row['step_s']:.3g} s ({row['comm_share']:.1%} waiting on "
                   f"communication)")
-        others = [_why_not(r, row) for r in tied if r is not row]
+        others = [why_not(r, row) for r in tied if r is not row]
         if others:
             reason += "; ties within 5% with " + ", ".join(others)
         lower = [r for r in rows if r["mesh"] is None and r["stage"] < row["stage"]
                  and not r["fits_memory"]]
         if lower:
             reason += f"; stage {lower[-1]['stage']} needs {_gib(lower[-1]['per_rank_bytes'])}"
+        reason += accumulation_words(row, rows, tied)
         if row["stage"] == 3:
-            reason += _hybrid_words(row, rows)
+            reason += hybrid_words(row, rows)
         slow = [r for r in fitting if not r["meets_time"]]
         if slow:
             reason += (f"; {_label(slow[0])} fits but projects {slow[0]['step_s']:.3g} s "
@@ -383,9 +339,9 @@ def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_
                   f"max_step_s {max_step_s:g} s, the fastest of the stages that fit; a faster "
                   f"link or fewer, larger buckets would cut the communication")
     else:
-        row = flat3
+        row = flat3  # stage 3 with its gradients sharded: the least a rank can hold
         reason = (f"nothing fits: stage 3 needs {_gib(row['per_rank_bytes'])} per rank "
-                  f"({_memory_words(row)}) and the {reserve}, on {_gib(gpu_bytes)}")
+                  f"({memory_words(row)}) and the {reserve}, on {_gib(gpu_bytes)}")
         ranks = _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision,
                                   optimizer, reserve_fraction)
         shrink = ("a smaller micro-batch" if activations_checkpointed else
@@ -395,6 +351,11 @@ def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_
         else:
             reason += (f"; stage 3 fits on {ranks} ranks, or offload the optimizer states "
                        f"to CPU (ZeRO-Offload), or {shrink}")
+        lk = get_link(link)
+        reason += tensor_parallel_words(row, gpu_bytes, reserve_fraction, world_size,
+                                        lk.node_size if isinstance(lk, Machine) else 8)
     return Recommendation(stage=row["stage"], fits=bool(ok), headroom_bytes=row["headroom_bytes"],
                           per_rank_bytes=row["per_rank_bytes"], step_s=row["step_s"],
-                          comm_share=row["comm_share"], reason=reason, mesh=row["mesh"])
+                          comm_share=row["comm_share"], reason=reason, mesh=row["mesh"],
+                          accumulation=row["accumulation"],
+                          grad_accumulation=row["grad_accumulation"])

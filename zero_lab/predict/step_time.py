@@ -22,6 +22,7 @@ import sys
 from numbers import Integral
 
 from zero_lab.collectives.volume import ring_bytes_sent, ring_steps, zero_volume
+from zero_lab.predict.knobs import accumulation_messages
 from zero_lab.predict.links import Machine, OpLinks, collective_terms, collective_time, get_link
 from zero_lab.predict.links import _integer as _checked_integer
 from zero_lab.predict.links import _number as _checked_number
@@ -119,7 +120,8 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
                  bytes_per_elem: int = 2, buckets: int = DEFAULT_BUCKETS,
                  overlap: float = DEFAULT_OVERLAP, gather_after_step: bool = False,
                  replicas: int = 1, optimizer_s: float = 0.0,
-                 overlap_step: bool = False, control: int = 0) -> dict:
+                 overlap_step: bool = False, control: int = 0, accumulation: int = 1,
+                 grad_accumulation: str = "sharded") -> dict:
     """One data-parallel training step at ZeRO `stage`, projected on `link` (a Link or a
     Machine, or its name; or an OpLinks, which prices each kind of collective on its own
     link: this machine's all-reduce as gloo's ring, its reduce-scatters and all-gathers as
@@ -153,6 +155,11 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     `gather_after_step=True` describes implementations that all-gather the parameters after
     the optimizer step instead (this course's stages 1-2 with overlap_param_gather=False,
     DeepSpeed ZeRO-1/2): nothing computes then, so by the same rule none of that gather hides.
+    `accumulation=k` micro-batches per optimizer step (`compute_s` is one micro-batch's): the
+    first k - 1 under no_sync, each op's passes over Ψ from `knobs.accumulation_messages`,
+    the formulas notebook 08 measures. Stages 0-1 reduce in the last backward only; stage 2
+    (DeepSpeed's ZeRO-2) and stage 3 with `grad_accumulation="sharded"` in every one, each
+    under its own backward; stage 3 gathers every unit in each forward and backward.
     `replicas=R` > 1 (stage 3 only): hybrid sharding (HSDP, stages/hybrid.py) on R groups of
     S = N/R ranks. Its all-gathers and reduce-scatters run on the S ranks of a group (on a
     Machine, S must be whole nodes: with S = node_size they never leave NVLink); each
@@ -163,9 +170,9 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     "comm_total_s", "latency_s" and "bandwidth_s" (comm_total_s's two terms),
     "bytes_sent" (per rank), "volume_psi" (the ZeRO paper's volume, in Ψ: 2, 2, 2, 3),
     "collectives" (per step), "calls" (per step, by kind), "control_s" (the control
-    collectives, in exposed_s), "exposed_s", "step_s" (compute_s + optimizer_s + exposed_s),
-    "comm_share", "network_bytes" (what one GPU sends over a Machine's network per step; 0
-    inside one node or on a Link), "replicas"}.
+    collectives, in exposed_s), "exposed_s", "step_s" (accumulation x compute_s + optimizer_s
+    + exposed_s), "accumulation", "comm_share", "network_bytes" (what one GPU sends over a
+    Machine's network per step; 0 inside one node or on a Link), "replicas"}.
     """
     _number("n_params", n_params)
     stage = _stage(stage)
@@ -180,6 +187,7 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     r = _integer("replicas", replicas)
     _number("optimizer_s", optimizer_s, strict=False)
     checks = _integer("control", control, minimum=0)
+    micro = _integer("accumulation", accumulation)
     if not isinstance(overlap_step, bool) or overlap_step and stage not in (1, 2):
         raise ValueError(f"overlap_step is True or False, and True only at stages 1-2 (as in "
                          f"shard()); got {overlap_step!r} at stage {stage}")
@@ -189,27 +197,33 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     s = n // r  # the ranks a unit is sharded over
 
     bucket = n_params * bytes_per_elem / k  # one collective's full message
-    calls = _collectives(stage, k)
+    # passes over Ψ per optimizer step, op by op: notebook 08's formulas, not a second copy
+    passes = {op: int(m["count"]) for op, m in accumulation_messages(
+        stage, 1, micro, 2, grad_accumulation=grad_accumulation).items()}
+    calls = {op: passes[op] * k for op in _collectives(stage, k)}  # _collectives' at k = 1
+    reducing = passes["all_reduce" if stage == 0 else "reduce_scatter"]  # 1 or micro
     terms = {op: collective_terms(op, bucket, s, lk) for op in calls}
     sizes = {op: (bucket, s) for op in calls}  # (message, ranks) of each kind
     if r > 1:  # every gradient slice is then all-reduced across the groups
         terms["all_reduce"] = _across_terms(bucket / s, r, s, lk)
-        calls["all_reduce"] = k
+        calls["all_reduce"] = reducing * k
         sizes["all_reduce"] = (bucket / s, r)
     one = {op: t["latency_s"] + t["bandwidth_s"] for op, t in terms.items()}
     forward, backward = compute_s * FORWARD_SHARE, compute_s * (1 - FORWARD_SHARE)
     # phases: (seconds of communication, seconds of it that can never hide, compute under it)
+    # with accumulation every micro-batch that reduces (or gathers) is a phase of its own
     if stage == 0:
-        phases = [(k * one["all_reduce"], one["all_reduce"], backward)]
+        phases = [(k * one["all_reduce"], one["all_reduce"], backward)] * reducing
     elif stage in (1, 2):
         gather, scatter = one["all_gather"], one["reduce_scatter"]
         params = (k * gather, k * gather, 0.0) if gather_after_step else (k * gather, gather,
                                                                           forward)
-        phases = [params, (k * scatter, scatter, backward)]
+        phases = [params] + [(k * scatter, scatter, backward)] * reducing
     else:
         gather, scatter = one["all_gather"], one["reduce_scatter"] + one.get("all_reduce", 0.0)
-        phases = [(k * gather, gather, forward),
-                  (k * (gather + scatter), gather + scatter, backward)]
+        phases = ([(k * gather, gather, forward)] * micro
+                  + [(k * gather, gather, backward)] * (micro - reducing)
+                  + [(k * (gather + scatter), gather + scatter, backward)] * reducing)
     exposed = sum(total - min(overlap * (total - always), under)
                   for total, always, under in phases)
     if overlap_step:  # the last reduction (exposed above) under the other buckets' steps
@@ -217,7 +231,7 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     control_s = checks * _control_time(n, lk)
     exposed += control_s
     comm = {op: count * one[op] for op, count in calls.items()}
-    step = compute_s + optimizer_s + exposed
+    step = micro * compute_s + optimizer_s + exposed
     return {
         "stage": stage, "world_size": n, "link": lk.name, "compute_s": compute_s,
         "optimizer_s": optimizer_s, "control_s": control_s,
@@ -231,7 +245,7 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
         "exposed_s": exposed, "step_s": step, "comm_share": exposed / step,
         "network_bytes": sum(c * _network_bytes(op, *sizes[op], lk, across=r > 1 and op ==
                                                 "all_reduce") for op, c in calls.items()),
-        "replicas": r,
+        "replicas": r, "accumulation": micro,
     }
 
 

@@ -35,7 +35,8 @@ accumulation_messages`; Ψ the padded flat parameters in bytes, k micro-batches)
   set_reshard_after_backward(False); without the second, FSDP2 re-gathers the parameters every
   micro-batch: (k + 1)Ψ): under no_sync the
   full gradient is kept (a flat buffer per bucket: stage 1's gradient memory while the
-  micro-batches run) and reduce-scattered once, then freed: 2Ψ per step.
+  micro-batches run; FSDP2 holds it in `reduce_dtype`: with fp32, 4 bytes a parameter, twice
+  bf16's) and reduce-scattered once, then freed: 2Ψ per step.
   Stage 2's memory saving costs k times the communication; that is why Megatron-LM's
   distributed optimizer, built for large accumulation counts, is ZeRO-1 (stage 1: the
   gradient buffer is kept, the optimizer states sharded, 2Ψ per optimizer step).

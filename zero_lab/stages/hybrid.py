@@ -1,4 +1,4 @@
-"""Hybrid sharding (HSDP; DeepSpeed's MiCS): shard inside a group, replicate across.
+"""Hybrid sharding (HSDP; DeepSpeed's former MiCS): shard inside a group, replicate across.
 
 Stage 3 sharded over all N ranks all-gathers every unit across all of them, twice a step: on
 a cluster of nodes, every all-gather crosses the network. Hybrid sharding lays the N ranks

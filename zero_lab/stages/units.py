@@ -77,7 +77,10 @@ def plan_units(model: nn.Module, unit_classes: Sequence[type] | None = None,
     encloses all of them, their common ancestor: it is gathered whenever any of them runs.
     A frozen parameter goes by the same rule, to the innermost unit that has trainable
     parameters (it is gathered with them). Units left without trainable parameters are
-    dropped; a frozen parameter no unit with trainable parameters encloses stays whole.
+    dropped; a frozen parameter no unit with trainable parameters encloses stays whole. So a
+    wholly frozen block is no unit: its parameters join the root unit if the root trains a
+    parameter of its own, else stay whole on every rank (FSDP2's fully_shard shards such a
+    block like any other; tests/test_finding_frozen_block.py).
     """
     candidates = unit_modules(model, unit_classes, also) + [(ROOT_NAME, model)]
     index = {id(m): i for i, (_, m) in enumerate(candidates)}
