@@ -80,9 +80,12 @@ BESIDE_NBVAL := $(BROWSER_TESTS) $(WAITING_TESTS)
 # pytest exits 5 when it collects nothing; that is not a failure of the code under test.
 NBVAL_LOG ?= runs/nbval.log
 ENSURE_CHROMIUM ?= sh tests/browser/ensure_chromium.sh
+# The grader's sandbox (bubblewrap): installed where apt-get and root allow (tests/ensure_bwrap.sh).
+ENSURE_BWRAP ?= sh tests/ensure_bwrap.sh
 test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 	$(VENV)/bin/ruff check zero_lab tests
 	@$(ENSURE_CHROMIUM)
+	@$(ENSURE_BWRAP)
 	@mkdir -p $(dir $(NBVAL_LOG))
 	@if command -v chromium >/dev/null 2>&1; then \
 	    echo "nbval: $(BROWSER_NOTEBOOKS) run in $(BROWSER_TESTS)"; \
@@ -110,6 +113,7 @@ student: setup ## write student copies (solutions replaced by stubs) to build/st
 # Knobs for grade: SUBMISSIONS (a folder of <student>/<notebook>.ipynb), SEED, JOBS.
 grade: setup ## grade SUBMISSIONS=<folder of student folders> into runs/grades/<run>/ (SEED=0 JOBS=2)
 	@test -n "$(SUBMISSIONS)" || { echo "make grade SUBMISSIONS=<folder>: which folder?"; exit 2; }
+	@$(ENSURE_BWRAP)
 	$(PY) -m zero_lab.grading grade "$(SUBMISSIONS)" --seed $(or $(SEED),0) -j $(or $(JOBS),2)
 
 bench: setup ## benchmark DDP, ZeroRedundancyOptimizer and zero_lab stages into a folder of its own under runs/bench/

@@ -111,7 +111,8 @@ def run_make_test(makefile: Path, tmp_path: Path, pytest_status: int, nbval_stat
     env |= {"FAKE_MARKS": str(marks), "FAKE_STATUS": f"pytest={pytest_status} nbval={nbval_status}"}
     make = subprocess.Popen(
         ["make", "-s", "-f", str(makefile), "-o", f"{venv}/.installed", "test", f"VENV={venv}",
-         f"NBVAL_LOG={tmp_path / 'nbval.log'}", "ENSURE_CHROMIUM=true"],
+         f"NBVAL_LOG={tmp_path / 'nbval.log'}", "ENSURE_CHROMIUM=true",
+         "ENSURE_BWRAP=true"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)  # a group of its own: on a timeout, all of it is stopped
     try:

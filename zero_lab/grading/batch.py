@@ -18,43 +18,41 @@ notebook gave it. Two kinds:
   expected values with the course's reference here (zero_lab/course/rank_cases/). Points: one
   per case, each judged on its own.
 
-Containment: no network where the machine allows it (offline.py: a network namespace of the
-child's own, loopback only); a time limit per exercise (`--timeout` scales every exercise's
-own), the child's whole session ended at it (no process left: the launch's ranks die with
-their parent); an address-space and file-size limit (sandbox.py); the first 4 KB of what it
-printed kept. Results: grades.csv, feedback/<student>.md, gradescope/<student>/results.json
-and summary.md, in DIR.
+Containment (jail.py, child.py): each child in a bubblewrap sandbox of its own: the course
+and Python read-only, only its scratch folder writable, the output and submissions folders
+absent, its own PID namespace (all it started ends with it, and with the grader), loopback
+only, a user id and a cgroup of its own where the machine allows; without one the grader
+refuses unless `--unsafe-no-sandbox`. The instructor's seed never goes there: the kernel
+exercises get drawn inputs, the ranks a seed hashed from it per exercise (`case_seed`). A
+time limit per exercise (`--timeout` scales every exercise's own). Results: each exercise
+written as it ends (results_log.py; `--resume` continues a run), then grades.csv,
+feedback/<student>.md, gradescope/<student>/results.json and summary.md, in DIR.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import io
 import json
-import os
 import pickle
 import random
 import signal
-import subprocess
-import sys
-import tempfile
-import time
+import threading
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zero_lab.grading import sandbox
+from zero_lab.grading import jail, results_log
+from zero_lab.grading.child import allow_children, run_child, stop_children
 from zero_lab.grading.framework import ExerciseFailed, diagnose
 from zero_lab.grading.hidden import HIDDEN, Hidden
-from zero_lab.grading.offline import offline_prefix
 from zero_lab.grading.remote import HANG_HINT
-from zero_lab.grading.sandbox import ANSWERS, JOB
 from zero_lab.grading.submissions import exercise_code
 from zero_lab.launch.paths import NOTEBOOKS
 
-PRINTED_BYTES = 4096  # of a child's output, kept for the feedback
 RANK_PREAMBLE = "import math\nimport torch\nimport torch.distributed as dist\n"
 
 
@@ -85,7 +83,7 @@ class Exercise:
         if self.ranks is None:
             return self.timeout_s * scale, 0.0
         rank_exercise = getattr(importlib.import_module(self.module), self.ranks.exercise)
-        launch = rank_exercise.limit(seed) * scale
+        launch = rank_exercise.limit(case_seed(seed, self.check)) * scale
         return launch + CHILD_MARGIN_S, launch
 
     def case_count(self, seed: int) -> int:
@@ -93,7 +91,15 @@ class Exercise:
         if self.hidden is not None:
             return len(self.hidden.cases(random.Random(f"{seed}:{self.check}")))
         rank_exercise = getattr(importlib.import_module(self.module), self.ranks.exercise)
-        return len(rank_exercise.cases(seed))
+        return len(rank_exercise.cases(case_seed(seed, self.check)))
+
+
+def case_seed(seed: int, check: str) -> int:
+    """The seed an exercise on ranks draws its cases from: the instructor's seed never goes
+    where learner code runs (a rank's command line is in /proc). This one, hashed from it,
+    gives only this exercise's cases, which its ranks are handed anyway."""
+    digest = hashlib.sha256(f"zero_lab grading:{seed}:{check}".encode()).digest()
+    return int.from_bytes(digest[:6], "big")
 
 
 # Exercises whose check starts ranks (remote.py), with the names of their pieces.
@@ -140,62 +146,25 @@ class Graded:
     first_failing: str = ""  # the label of the first case it failed (the summary counts them)
 
 
-def run_child(job: dict, timeout_s: float) -> tuple[list[dict], str, str, float]:
-    """Run sandbox.py on `job` in a new session; returns (answers, how it ended, printed, s).
-    How it ended: "done", "timeout" or "crash: <why>". At the limit the whole session is
-    killed, so nothing it started is left."""
-    with tempfile.TemporaryDirectory(prefix="zero_lab_grade_") as tmp:
-        folder = Path(tmp)
-        (folder / JOB).write_bytes(pickle.dumps(job))
-        printed = folder / "printed.txt"
-        start = time.monotonic()
-        with open(printed, "wb") as out:
-            child = subprocess.Popen(
-                [*offline_prefix()[0], sys.executable, sandbox.__file__, str(folder)],
-                stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                start_new_session=True, cwd=folder, env=_child_env())
-            try:
-                code = child.wait(timeout=timeout_s)
-                ended = "done" if code == 0 else f"crash: {_exit_reason(code)}"
-            except subprocess.TimeoutExpired:
-                ended = "timeout"
-            finally:
-                _kill_session(child)
-        seconds = time.monotonic() - start
-        try:
-            answers = json.loads((folder / ANSWERS).read_text())
-        except (OSError, json.JSONDecodeError):
-            answers = []
-        with open(printed, "rb") as f:
-            text = f.read(PRINTED_BYTES).decode("utf-8", "replace")
-    return answers, ended, text, seconds
-
-
-def _child_env() -> dict:
-    env = {k: v for k, v in os.environ.items() if not k.startswith(("ZERO_LAB_", "MASTER_"))}
-    root = str(NOTEBOOKS.parent)
-    env["PYTHONPATH"] = os.pathsep.join(p for p in (root, env.get("PYTHONPATH", "")) if p)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
-
-
-def _exit_reason(code: int) -> str:
-    if code < 0:
-        return f"killed by {signal.Signals(-code).name}"
-    return f"exited with code {code}"
-
-
-def _kill_session(child: subprocess.Popen) -> None:
-    try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    child.wait()
-
-
 def grade_one(student: str, exercise: Exercise, submission: dict | None, course: dict,
-              seed: int, timeout_scale: float) -> Graded:
-    """Grade one exercise of one student's notebook."""
+              seed: int, timeout_scale: float, sandboxed: bool = True) -> Graded:
+    """Grade one exercise of one student's notebook. Whatever the answers are, this returns:
+    one that cannot be judged (an int too large for a float, an answers file the learner's
+    code wrote itself) fails its exercise with the reason, never the run."""
+    try:
+        return _grade_one(student, exercise, submission, course, seed, timeout_scale,
+                          sandboxed)
+    except Exception as exc:  # noqa: BLE001 - the run goes on; the message says why
+        g = Graded(student, exercise, max_points=0, status="crash")
+        g.lines = [f"the grader could not judge this exercise's answers ({type(exc).__name__}: "
+                   f"{str(exc)[:200]})"]
+        with contextlib.suppress(Exception):
+            g.max_points = exercise.case_count(seed)
+        return g
+
+
+def _grade_one(student: str, exercise: Exercise, submission: dict | None, course: dict,
+               seed: int, timeout_scale: float, sandboxed: bool) -> Graded:
     hidden, on = exercise.hidden, exercise.ranks
     cases = hidden.cases(random.Random(f"{seed}:{exercise.check}")) if hidden else []
     g = Graded(student, exercise, max_points=len(cases) if hidden else exercise.case_count(seed))
@@ -214,14 +183,15 @@ def grade_one(student: str, exercise: Exercise, submission: dict | None, course:
     else:
         module = importlib.import_module(exercise.module)
         hint = getattr(module, on.hang_hint) if on.hang_hint else HANG_HINT
-        job["ranks"] = {"module": exercise.module, "exercise": on.exercise, "seed": seed,
+        job["ranks"] = {"module": exercise.module, "exercise": on.exercise,
+                        "seed": case_seed(seed, exercise.check),
                         "check": exercise.check, "timeout": launch,
                         "hang_hint": hint}
-    answers, ended, printed, g.seconds = run_child(job, limit)
+    answers, ended, printed, g.seconds = run_child(job, limit, sandboxed)
     if hidden:
         _judge_cases(g, cases, answers)
     else:
-        _judge_reports(g, answers, seed)
+        _judge_reports(g, answers, case_seed(seed, exercise.check))
     if ended == "timeout":
         g.status = "timeout"
         g.lines.append(f"stopped after {limit:.0f} s (the exercise's limit); every process "
@@ -241,7 +211,7 @@ def _judge_cases(g: Graded, cases: list, answers: list[dict]) -> None:
         return
     for i, case in enumerate(cases):
         where = f"case {i + 1}/{len(cases)} {case.describe()}"
-        if i >= len(answers):
+        if i >= len(answers) or not isinstance(answers[i], dict):
             g.lines.append(f"{where}: no answer (the run ended before it)")
             g.first_failing = g.first_failing or case.describe()
             continue
@@ -253,8 +223,13 @@ def _judge_cases(g: Graded, cases: list, answers: list[dict]) -> None:
         elif "error" in answer:
             problem = f"raised {answer['error']}"
         else:
-            got = decode(answer["value"])
-            problem = diagnose(case, got, hidden.compare, hidden.wrong_answers)
+            try:
+                got = decode(answer["value"])
+                problem = diagnose(case, got, hidden.compare, hidden.wrong_answers)
+            except (TypeError, ValueError, KeyError, AttributeError, OverflowError,
+                    RecursionError) as exc:
+                problem = (f"the answer could not be compared ({type(exc).__name__}: "
+                           f"{str(exc)[:120]})")
         if problem is None:
             g.points += 1
         else:
@@ -265,7 +240,7 @@ def _judge_cases(g: Graded, cases: list, answers: list[dict]) -> None:
 
 def _judge_reports(g: Graded, answers: list[dict], seed: int) -> None:
     """An exercise on ranks: its judge, here, on what the ranks reported; a point per case."""
-    answer = answers[0] if answers else {}
+    answer = answers[0] if answers and isinstance(answers[0], dict) else {}
     if "defined" in answer:
         g.lines.append(f"the cell's functions could not be defined: {answer['error']}")
         return
@@ -317,31 +292,91 @@ def decode(value):
     raise ValueError(f"unknown answer kind {kind!r}")
 
 
-def grade(folder: Path, out: Path, seed: int = 0, jobs: int = 2, timeout_scale: float = 1.0,
-          only: str | None = None, course_dir: Path = NOTEBOOKS,
-          progress: Callable[[str], None] = print) -> list[Graded]:
-    """Grade every student in `folder` on every exercise; write the reports into `out`."""
+class NoSandbox(RuntimeError):
+    """This machine cannot sandbox learner code, and the grader was not told to go on."""
+
+
+def grade(folder: Path | None, out: Path, seed: int = 0, jobs: int = 2,
+          timeout_scale: float = 1.0, only: str | None = None, course_dir: Path = NOTEBOOKS,
+          progress: Callable[[str], None] = print, unsafe: bool = False,
+          resume: bool = False) -> list[Graded]:
+    """Grade every student in `folder` on every exercise; write the reports into `out`.
+
+    Each graded exercise is written to `out/results/` as it ends (results_log.py); `resume`
+    takes the run's submissions, seed and notebooks from `out` and grades only what is not
+    there yet. Without a
+    sandbox (jail.py) this refuses (NoSandbox) unless `unsafe`."""
     from zero_lab.grading import reports
     from zero_lab.grading.submissions import students
 
+    if resume:
+        run = results_log.params(out)
+        # The cases and who is graded are the run's; the time limits may be set anew.
+        folder, seed, only = Path(run["submissions"]), run["seed"], run["only"]
     if jobs < 1:
         raise ValueError(f"-j must be at least 1, got {jobs}")
+    sandboxed, why = jail.available()
+    if not sandboxed and not unsafe:
+        raise NoSandbox(f"no sandbox for learner code on this machine: {why}. Install "
+                        f"bubblewrap (apt-get install bubblewrap), or pass {jail.UNSAFE_FLAG} "
+                        "to grade with learner code able to reach this user's files, "
+                        "processes and network")
+    note = jail.note(unsafe)
     chosen = [e for e in exercises() if only is None or e.notebook.startswith(only)]
     if not chosen:
         raise ValueError(f"--only {only!r} names no notebook with graded exercises")
     courses = {e.notebook: json.loads((course_dir / e.notebook).read_text()) for e in chosen}
     work = [(s, e, books.get(e.notebook)) for s, books in students(folder).items()
             for e in chosen]
-    progress(f"grading {len(work)} exercises ({len({w[0] for w in work})} students x "
-             f"{len(chosen)} exercises), {jobs} at a time, seed {seed}")
-    done = []
-    with ThreadPoolExecutor(max_workers=jobs) as pool:
-        futures = [pool.submit(grade_one, s, e, nb, courses[e.notebook], seed, timeout_scale)
-                   for s, e, nb in work]
-        for future in futures:
-            g = future.result()
-            done.append(g)
-            progress(f"  [{len(done)}/{len(work)}] {g.student} {g.exercise.check}: {g.status} "
-                     f"{g.points}/{g.max_points} ({g.seconds:.1f} s)")
-    reports.write_all(done, out, seed)
+    if not resume:
+        results_log.start(out, {"submissions": str(Path(folder).absolute()), "seed": seed,
+                                "only": only, "timeout_scale": timeout_scale})
+    by_check = {e.check: e for e in chosen}
+    done = [_from_record(r, by_check) for r in results_log.read(out) if r["check"] in by_check]
+    finished = {(g.student, g.exercise.check) for g in done}
+    todo = [w for w in work if (w[0], w[1].check) not in finished]
+    progress(f"{note.split(':')[0]}\ngrading {len(todo)} exercises "
+             f"({len({w[0] for w in work})} students x {len(chosen)} exercises), "
+             f"{jobs} at a time" + (f"; {len(finished)} exercises already graded" if resume
+                                    else ""))
+    allow_children()
+    with _interrupts_stop_children(), ThreadPoolExecutor(max_workers=jobs) as pool:
+        futures = [pool.submit(grade_one, s, e, nb, courses[e.notebook], seed, timeout_scale,
+                               sandboxed) for s, e, nb in todo]
+        try:
+            for future in futures:
+                g = future.result()
+                results_log.append(out, g)
+                done.append(g)
+                progress(f"  [{len(done)}/{len(work)}] {g.student} {g.exercise.check}: "
+                         f"{g.status} {g.points}/{g.max_points} ({g.seconds:.1f} s)")
+        except BaseException:
+            pool.shutdown(wait=False, cancel_futures=True)
+            stop_children()
+            raise
+    reports.write_all(done, out, seed, note)
     return done
+
+
+def _from_record(record: dict, by_check: dict) -> Graded:
+    return Graded(str(record["student"]), by_check[record["check"]], int(record["points"]),
+                  int(record["max"]), str(record["status"]), list(record.get("lines", [])),
+                  float(record.get("seconds", 0.0)), str(record.get("first_failing", "")))
+
+
+@contextlib.contextmanager
+def _interrupts_stop_children():
+    """SIGTERM becomes KeyboardInterrupt while grading (the main thread only can set it), so
+    both end every child at once instead of leaving them to their limits."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt(f"signal {signum}")
+
+    before = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, before)

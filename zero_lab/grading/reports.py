@@ -20,7 +20,7 @@ from pathlib import Path
 STATUSES = ("pass", "fail", "timeout", "crash", "missing", "tampered")
 
 
-def write_all(graded: list, out: Path, seed: int) -> None:
+def write_all(graded: list, out: Path, seed: int, note: str = "") -> None:
     out.mkdir(parents=True, exist_ok=True)
     graded = sorted(graded, key=lambda g: (g.student, g.exercise.notebook, g.exercise.check))
     with open(out / "grades.csv", "w", newline="") as f:
@@ -34,26 +34,38 @@ def write_all(graded: list, out: Path, seed: int) -> None:
         by_student[g.student].append(g)
     for student, mine in by_student.items():
         (out / "feedback").mkdir(exist_ok=True)
-        (out / "feedback" / f"{student}.md").write_text(feedback(student, mine, seed))
+        (out / "feedback" / f"{student}.md").write_text(feedback(student, mine))
         folder = out / "gradescope" / student
         folder.mkdir(parents=True, exist_ok=True)
         (folder / "results.json").write_text(json.dumps(gradescope(mine), indent=1))
-    (out / "summary.md").write_text(summary(graded, seed))
+    (out / "summary.md").write_text(summary(graded, seed, note))
 
 
 def _lines(g) -> str:
     return "\n".join(g.lines)
 
 
-def feedback(student: str, graded: list, seed: int) -> str:
+def fenced(text: str) -> list[str]:
+    """`text` in a code fence longer than any run of backticks in it: nothing the learner's
+    code printed or raised can close the fence and write a heading of its own."""
+    longest = run = 0
+    for c in text:
+        run = run + 1 if c == "`" else 0
+        longest = max(longest, run)
+    fence = "`" * max(3, longest + 1)
+    return [fence, text, fence]
+
+
+def feedback(student: str, graded: list, seed: int | None = None) -> str:
+    """A student's feedback. The seed is never in it (`seed` is ignored): with the seed, the
+    hidden cases of a rerun under it are known in advance."""
     total, most = sum(g.points for g in graded), sum(g.max_points for g in graded)
-    parts = [f"# Feedback for {student}", "",
-             f"{total} of {most} points (hidden cases drawn from seed {seed}).", ""]
+    parts = [f"# Feedback for {student}", "", f"{total} of {most} points (hidden cases).", ""]
     for g in graded:
         parts += [f"## {g.exercise.notebook}: {g.exercise.check}", "",
                   f"**{g.status}**: {g.points}/{g.max_points}", ""]
         if g.lines:
-            parts += ["```", _lines(g), "```", ""]
+            parts += [*fenced(_lines(g)), ""]
     return "\n".join(parts)
 
 
@@ -65,22 +77,25 @@ def gradescope(graded: list) -> dict:
     return {"score": sum(g.points for g in graded), "tests": tests}
 
 
-def summary(graded: list, seed: int) -> str:
+def summary(graded: list, seed: int, note: str = "") -> str:
     rows = collections.defaultdict(list)
     for g in graded:
         rows[(g.exercise.notebook, g.exercise.check)].append(g)
-    from zero_lab.grading.offline import network_note
-
-    parts = [f"# Summary (seed {seed})", "", network_note(), "",
+    parts = [f"# Summary (seed {seed})", "", note, "",
              "| notebook | exercise | passed | mean points | statuses | most common first "
              "failing case |", "| --- | --- | --- | --- | --- | --- |"]
     for (notebook, check), gs in sorted(rows.items()):
         count = collections.Counter(g.status for g in gs)
         statuses = ", ".join(f"{s} {count[s]}" for s in STATUSES if count[s])
         failing = collections.Counter(g.first_failing for g in gs if g.first_failing)
-        common = (f"{failing.most_common(1)[0][0]} ({failing.most_common(1)[0][1]})"
+        common = (f"{_cell(failing.most_common(1)[0][0])} ({failing.most_common(1)[0][1]})"
                   if failing else "")
         mean = sum(g.points for g in gs) / len(gs)
         parts.append(f"| {notebook} | {check} | {count['pass']}/{len(gs)} | "
                      f"{mean:.1f}/{gs[0].max_points} | {statuses} | {common} |")
     return "\n".join(parts) + "\n"
+
+
+def _cell(text: str) -> str:
+    """Learner text in a table cell: one line, no column break."""
+    return " ".join(text.split()).replace("|", "\\|")[:80]

@@ -22,7 +22,9 @@ Each answer is the returned value encoded with exact types (`encode`: an int sub
 compares it with the expected value it computed itself, where no learner code runs. Each
 call gets its own unpickled arguments, so a function that empties its input list changes
 nothing for the next case. Limits (set before the learner's code is defined): address space,
-file size (what it prints goes to files the grader reads only the start of), CPU time.
+file size (what it prints goes to files the grader reads only the start of), CPU time; in its
+bubblewrap sandbox (jail.py) it first becomes a user id of its own (a root grader's children)
+and caps its tasks, and removes the job file, so nothing of the job is left to read.
 """
 
 from __future__ import annotations
@@ -39,6 +41,7 @@ JOB = "job.pickle"
 MEMORY_BYTES = 4 * 2**30  # address space: a runaway allocation fails here, not on the host
 FILE_BYTES = 16 * 2**20  # any file it writes, its printed output included
 PLAIN = (int, float, str, bool, type(None))
+INT_BITS = 4096  # ~1233 digits: far beyond any answer, well within what json writes
 
 
 class NotPlain(TypeError):
@@ -56,6 +59,9 @@ def encode(value, depth: int = 0):
             return {"float": "nan"}
         if kind is float and value in (float("inf"), float("-inf")):
             return {"float": "inf" if value > 0 else "-inf"}
+        if kind is int and value.bit_length() > INT_BITS:  # json refuses 4300+ digits
+            raise NotPlain(f"returned an int of {value.bit_length()} bits; no answer here "
+                           f"needs more than {INT_BITS}")
         return {kind.__name__: value}
     if kind in (list, tuple):
         return {kind.__name__: [encode(v, depth + 1) for v in value]}
@@ -68,6 +74,20 @@ def encode(value, depth: int = 0):
                            "shape": list(t.shape), "values": t.reshape(-1).tolist()}}
     raise NotPlain(f"returned a {kind.__module__}.{kind.__qualname__}; the exercise returns "
                    "plain numbers, strings, lists, tuples, dicts or tensors")
+
+
+def _drop(job: dict) -> None:
+    """In a sandbox (jail.py): become the child's own user id, which drops every capability,
+    and cap its tasks (RLIMIT_NPROC counts that id's alone, never root's)."""
+    import os
+
+    uid = job.get("uid")
+    if uid is not None:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    if job.get("tasks"):
+        resource.setrlimit(resource.RLIMIT_NPROC, (job["tasks"], job["tasks"]))
 
 
 def _limit() -> None:
@@ -124,6 +144,8 @@ def main(job_dir: str) -> int:
     def save() -> None:
         out.write_text(json.dumps(answers))
 
+    _drop(job)
+    (folder / JOB).unlink()  # nothing of the job's is left for the learner's code to read
     _limit()
     try:
         namespace = _define(job, folder)
