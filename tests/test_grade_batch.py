@@ -11,6 +11,7 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
+import tempfile
 import time
 from pathlib import Path
 
@@ -98,9 +99,20 @@ def graded(tmp_path_factory):
         stub, "my_bytes_per_param", 'raise NotImplementedError', extra=FAKE_CHECK)})
     submit(folder, "no_notebook", {})
     out = folder.parent / "reports"
-    start = time.monotonic()
-    done = batch.grade(folder, out, seed=7, jobs=2, timeout_scale=0.25, only="01",
-                       progress=lambda line: None)
+    # Each exercise's scratch folder is made under `jobs`, so a process left behind names this
+    # run's folder on its command line: another grader on the machine (a second CI job, an
+    # instructor's run) is not mistaken for a survivor of this one.
+    # (A folder only root may enter, as pytest's are: the sandbox still lets the child's own
+    # user id reach its scratch folder there, as under any TMPDIR.)
+    jobs = folder.parent / "jobs"
+    jobs.mkdir(mode=0o700)
+    start, before = time.monotonic(), tempfile.tempdir
+    tempfile.tempdir = str(jobs)
+    try:
+        done = batch.grade(folder, out, seed=7, jobs=2, timeout_scale=0.25, only="01",
+                           progress=lambda line: None)
+    finally:
+        tempfile.tempdir = before
     return {(g.student, g.exercise.check): g for g in done}, out, time.monotonic() - start
 
 
@@ -134,7 +146,9 @@ def test_a_hang_is_a_timeout_within_its_limit_and_leaves_no_process(graded):
     assert g.status == "timeout" and g.points == 0
     assert g.seconds < g.exercise.timeout_s * 0.25 + 5
     assert points(graded, "hang")["check_bytes_per_param"][2] == "pass"
-    left = subprocess.run(["pgrep", "-f", "grading/sandbox.py"], capture_output=True)
+    jobs = graded[1].parent / "jobs"
+    assert len(list(jobs.iterdir())) == 0  # every scratch folder was removed, and was here
+    left = subprocess.run(["pgrep", "-f", f"grading/sandbox.py {jobs}/"], capture_output=True)
     assert left.stdout == b"", left.stdout
 
 

@@ -74,13 +74,20 @@ def command(scratch: Path, uid: int | None) -> list[str]:
         elif path.is_dir():
             args += ["--ro-bind", str(path), str(path)]
     made: set[Path] = set()
-    for folder in [*_python_dirs(), PACKAGE]:
-        for parent in reversed(folder.parents[:-1]):  # bwrap would make them 0700
+
+    def parents(folder: Path) -> list[str]:  # bwrap would make them 0700: the child's user
+        out = []                             # id could not pass through to the folder
+        for parent in reversed(folder.parents[:-1]):
             if parent not in made and not any(parent.is_relative_to(d) for d in SYSTEM_DIRS):
-                args += ["--perms", "0755", "--dir", str(parent)]
+                out += ["--perms", "0755", "--dir", str(parent)]
                 made.add(parent)
-        args += ["--ro-bind", str(folder), str(folder)]
-    args += ["--bind", str(scratch), str(scratch), "--chdir", str(scratch), "--"]
+        return out
+
+    for folder in [*_python_dirs(), PACKAGE]:
+        args += [*parents(folder), "--ro-bind", str(folder), str(folder)]
+    # The scratch folder's parents too: TMPDIR may put it below /tmp (or outside it).
+    args += [*parents(scratch), "--bind", str(scratch), str(scratch), "--chdir", str(scratch),
+             "--"]
     return args
 
 
