@@ -18,7 +18,7 @@ LOAD ?= 2
 COURSE_ARGS := --nproc $(NPROC) --backend $(BACKEND) --device $(DEVICE) $(if $(ONLY),--only $(ONLY))
 
 .DEFAULT_GOAL := help
-.PHONY: help setup lab run figures test soak student grade bench gpu-check clean
+.PHONY: help setup lab run figures test soak student grade bench gpu-check deepspeed clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-8s %s\n", $$1, $$2}'
@@ -125,6 +125,12 @@ bench: setup ## benchmark DDP, ZeroRedundancyOptimizer and zero_lab stages into 
 GPU_CHECK_NPROC = $(if $(filter-out file,$(origin NPROC)),$(if $(NPROC),--nproc $(NPROC)))
 gpu-check: setup ## on a machine with an NVIDIA GPU: tests/test_cuda.py and every notebook on NCCL, one table (NPROC: ranks; default one per GPU, up to 2)
 	$(PY) -m zero_lab.course.gpu_check $(GPU_CHECK_NPROC)
+
+# DeepSpeed is an extra (pyproject.toml says why): installed into .venv on demand, then its
+# checks, which `make test` skips where it is missing.
+deepspeed: setup ## install DeepSpeed 0.19.8 and check zero_lab/practice/deepspeed/'s configs with it
+	$(PY) -m pip install --quiet --disable-pip-version-check -e ".[dev,deepspeed]"
+	$(PY) -m pytest -p no:cacheprovider tests/test_deepspeed_configs.py tests/test_finding_persistence.py
 
 clean: ## remove executed notebooks, run outputs, student copies and caches (keeps .venv)
 	rm -rf runs build notebooks/workers .pytest_cache .ruff_cache

@@ -26,7 +26,8 @@ import re
 import pytest
 import torch
 
-deepspeed = pytest.importorskip("deepspeed")  # in the dev extra (pyproject.toml)
+deepspeed = pytest.importorskip(  # the deepspeed extra (pyproject.toml): `make deepspeed`
+    "deepspeed", reason="DeepSpeed is not installed: `make deepspeed` installs it and runs this")
 
 from deepspeed.profiling.config import DeepSpeedFlopsProfilerConfig  # noqa: E402
 from deepspeed.runtime.activation_checkpointing.config import (  # noqa: E402

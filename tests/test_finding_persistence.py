@@ -79,7 +79,7 @@ def method_source(module, cls: str, name: str) -> str:
 
 
 def test_deepspeed_source_keeps_partitions_and_reduce_scatters_persistent_parameters():
-    pytest.importorskip("deepspeed")
+    pytest.importorskip("deepspeed", reason="DeepSpeed is not installed: `make deepspeed`")
     from deepspeed.runtime.zero import partition_parameters, stage3
 
     zero3 = "DeepSpeedZeroOptimizer_Stage3"
