@@ -1,16 +1,30 @@
-"""`python -m zero_lab.grading student --out build/student`: write the student copies;
-`python -m zero_lab.grading grade SUBMISSIONS --out DIR`: grade a folder of them (batch.py);
-`python -m zero_lab.grading grade --resume DIR`: finish a run that was stopped."""
+"""The instructor's commands, in the order a course uses them:
+
+    python -m zero_lab.grading student --out build/student      the copies to hand out
+    python -m zero_lab.grading collect DOWNLOAD --out DIR        an LMS download, laid out
+    python -m zero_lab.grading grade SUBMISSIONS --out DIR       grade a folder (batch.py)
+    python -m zero_lab.grading grade --resume DIR                finish a run that was stopped
+    python -m zero_lab.grading gradebook GRADES.csv ... [--weights W.csv]   totals, one row a
+                                                                 student, runs merged
+    python -m zero_lab.grading gradescope build NB ...           Gradescope's autograder zip
+"""
 
 import argparse
+import importlib
 import sys
 from pathlib import Path
+
+# Each of these modules has its own command line (`main(argv)`).
+COMMANDS = {"student": "zero_lab.grading.student", "collect": "zero_lab.grading.collect",
+            "gradebook": "zero_lab.grading.gradebook",
+            "gradescope": "zero_lab.grading.gradescope"}
 
 
 def grade_main(argv: list[str]) -> int:
     """The `grade` command line; returns the exit code."""
     from zero_lab.grading import jail
     from zero_lab.grading.batch import NoSandbox, grade
+    from zero_lab.grading.submissions import read_accepts
     from zero_lab.launch.paths import new_run_dir
 
     parser = argparse.ArgumentParser(prog="python -m zero_lab.grading grade")
@@ -26,6 +40,11 @@ def grade_main(argv: list[str]) -> int:
     parser.add_argument("--resume", type=Path, default=None, metavar="DIR",
                         help="finish the run in DIR: its submissions, seed and notebooks, "
                              "grading only the exercises not written there yet")
+    parser.add_argument("--accept", action="append", default=[], metavar="STUDENT/NB/EXERCISE",
+                        help="grade this tampered exercise cell from the student's definitions "
+                             "(summary.md shows each one's diff); repeatable")
+    parser.add_argument("--accept-file", action="append", default=[], type=Path, metavar="FILE",
+                        help="--accept keys, one a line (# comments allowed)")
     parser.add_argument(jail.UNSAFE_FLAG, dest="unsafe", action="store_true",
                         help="grade even where no sandbox can be made (learner code then "
                              "reaches this user's files, processes and network)")
@@ -34,8 +53,10 @@ def grade_main(argv: list[str]) -> int:
         parser.error("give SUBMISSIONS, or --resume DIR (not both)")
     out = args.resume or args.out or new_run_dir("grades")
     try:
+        accept = read_accepts(args.accept, args.accept_file)
         grade(args.submissions, out, args.seed, args.jobs, args.timeout, args.only,
-              unsafe=args.unsafe, resume=args.resume is not None)
+              unsafe=args.unsafe, resume=args.resume is not None,
+              accept=["/".join(key) for key in accept])
     except (FileNotFoundError, ValueError, NoSandbox) as exc:
         print(f"grade: {exc}", file=sys.stderr)
         return 2
@@ -47,9 +68,15 @@ def grade_main(argv: list[str]) -> int:
     return 0
 
 
-if __name__ == "__main__":
-    if sys.argv[1:2] == ["grade"]:
-        raise SystemExit(grade_main(sys.argv[2:]))
-    from zero_lab.grading.student import main
+def main(argv: list[str]) -> int:
+    command, rest = (argv[0], argv[1:]) if argv else ("", [])
+    if command == "grade":
+        return grade_main(rest)
+    if command in COMMANDS:
+        return importlib.import_module(COMMANDS[command]).main(rest)
+    print(__doc__.strip(), file=sys.stderr)
+    return 0 if command in ("-h", "--help") else 2
 
-    raise SystemExit(main())
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1:]))

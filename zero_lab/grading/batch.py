@@ -3,8 +3,9 @@
     make grade SUBMISSIONS=path/to/submitted [SEED=...] [JOBS=2]
 
 Each exercise of each student runs in a fresh process of its own (sandbox.py), never in a
-student's kernel, with only its `def`s from its cell (submissions.py) and the imports the
-notebook gave it. Two kinds:
+student's kernel, with its `def`s as last defined above its check cell and the imports,
+helpers and constants of earlier cells they use (submissions.py; a tampered exercise cell is
+graded once `accept`ed), after the imports the notebook gave it. Two kinds:
 
 - Exercises in the kernel (input -> output; hidden.py): the inputs are drawn from `--seed`,
   so a notebook's printed outputs are worth nothing; this process computes every expected
@@ -40,7 +41,7 @@ import pickle
 import random
 import signal
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -50,7 +51,7 @@ from zero_lab.grading.child import allow_children, run_child, stop_children
 from zero_lab.grading.framework import ExerciseFailed, diagnose
 from zero_lab.grading.hidden import HIDDEN, Hidden
 from zero_lab.grading.remote import HANG_HINT
-from zero_lab.grading.submissions import exercise_code
+from zero_lab.grading.submissions import accept_key, accepted_for, exercise_code, read_accepts
 from zero_lab.launch.paths import NOTEBOOKS
 
 RANK_PREAMBLE = "import math\nimport torch\nimport torch.distributed as dist\n"
@@ -147,13 +148,14 @@ class Graded:
 
 
 def grade_one(student: str, exercise: Exercise, submission: dict | None, course: dict,
-              seed: int, timeout_scale: float, sandboxed: bool = True) -> Graded:
+              seed: int, timeout_scale: float, sandboxed: bool = True,
+              accepted: bool = False) -> Graded:
     """Grade one exercise of one student's notebook. Whatever the answers are, this returns:
     one that cannot be judged (an int too large for a float, an answers file the learner's
     code wrote itself) fails its exercise with the reason, never the run."""
     try:
         return _grade_one(student, exercise, submission, course, seed, timeout_scale,
-                          sandboxed)
+                          sandboxed, accepted)
     except Exception as exc:  # noqa: BLE001 - the run goes on; the message says why
         g = Graded(student, exercise, max_points=0, status="crash")
         g.lines = [f"the grader could not judge this exercise's answers ({type(exc).__name__}: "
@@ -164,16 +166,19 @@ def grade_one(student: str, exercise: Exercise, submission: dict | None, course:
 
 
 def _grade_one(student: str, exercise: Exercise, submission: dict | None, course: dict,
-               seed: int, timeout_scale: float, sandboxed: bool) -> Graded:
+               seed: int, timeout_scale: float, sandboxed: bool, accepted: bool) -> Graded:
     hidden, on = exercise.hidden, exercise.ranks
     cases = hidden.cases(random.Random(f"{seed}:{exercise.check}")) if hidden else []
     g = Graded(student, exercise, max_points=len(cases) if hidden else exercise.case_count(seed))
     if submission is None:
         g.status, g.lines = "missing", [f"no readable {exercise.notebook} in the submission"]
         return g
-    found = exercise_code(submission, course, exercise.functions)
+    found = exercise_code(submission, course, exercise.functions, exercise.check, accepted)
     if found.status in ("missing", "tampered"):
         g.status, g.lines = found.status, [found.detail]
+        if found.status == "tampered":
+            g.lines.append(f"(the instructor may accept it: grade --accept "
+                           f"{accept_key(student, exercise)})")
         return g
     job = {"preamble": exercise.preamble, "source": found.source,
            "functions": list(exercise.functions)}
@@ -299,12 +304,13 @@ class NoSandbox(RuntimeError):
 def grade(folder: Path | None, out: Path, seed: int = 0, jobs: int = 2,
           timeout_scale: float = 1.0, only: str | None = None, course_dir: Path = NOTEBOOKS,
           progress: Callable[[str], None] = print, unsafe: bool = False,
-          resume: bool = False) -> list[Graded]:
+          resume: bool = False, accept: Iterable[str] = ()) -> list[Graded]:
     """Grade every student in `folder` on every exercise; write the reports into `out`.
 
     Each graded exercise is written to `out/results/` as it ends (results_log.py); `resume`
     takes the run's submissions, seed and notebooks from `out` and grades only what is not
-    there yet. Without a
+    there yet. `accept`: "student/notebook/exercise" keys (read_accepts) whose tampered
+    exercise cell the instructor accepted: graded from the student's definitions. Without a
     sandbox (jail.py) this refuses (NoSandbox) unless `unsafe`."""
     from zero_lab.grading import reports
     from zero_lab.grading.submissions import students
@@ -313,6 +319,7 @@ def grade(folder: Path | None, out: Path, seed: int = 0, jobs: int = 2,
         run = results_log.params(out)
         # The cases and who is graded are the run's; the time limits may be set anew.
         folder, seed, only = Path(run["submissions"]), run["seed"], run["only"]
+    accepted = read_accepts(accept, [])
     if jobs < 1:
         raise ValueError(f"-j must be at least 1, got {jobs}")
     sandboxed, why = jail.available()
@@ -328,9 +335,15 @@ def grade(folder: Path | None, out: Path, seed: int = 0, jobs: int = 2,
     courses = {e.notebook: json.loads((course_dir / e.notebook).read_text()) for e in chosen}
     work = [(s, e, books.get(e.notebook)) for s, books in students(folder).items()
             for e in chosen]
-    if not resume:
+    if not resume:  # a new run into a folder replaces its results (an --accept is regraded)
+        for old in (out / results_log.FOLDER).glob("*.jsonl"):
+            old.unlink()
         results_log.start(out, {"submissions": str(Path(folder).absolute()), "seed": seed,
                                 "only": only, "timeout_scale": timeout_scale})
+    unknown = sorted("/".join(key) for key in accepted
+                     if not any(accepted_for({key}, s, e) for s, e, _ in work))
+    if unknown:
+        progress(f"--accept names no exercise of this run (ignored): {', '.join(unknown)}")
     by_check = {e.check: e for e in chosen}
     done = [_from_record(r, by_check) for r in results_log.read(out) if r["check"] in by_check]
     finished = {(g.student, g.exercise.check) for g in done}
@@ -342,7 +355,7 @@ def grade(folder: Path | None, out: Path, seed: int = 0, jobs: int = 2,
     allow_children()
     with _interrupts_stop_children(), ThreadPoolExecutor(max_workers=jobs) as pool:
         futures = [pool.submit(grade_one, s, e, nb, courses[e.notebook], seed, timeout_scale,
-                               sandboxed) for s, e, nb in todo]
+                               sandboxed, accepted_for(accepted, s, e)) for s, e, nb in todo]
         try:
             for future in futures:
                 g = future.result()

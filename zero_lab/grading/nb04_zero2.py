@@ -9,6 +9,7 @@ issued. The judge computes the model's gradient on the global batch here, in one
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 
 import torch
@@ -90,9 +91,14 @@ def judge_bucket_hook(name: str, reports: list[dict], seed: int | None = None,
                 fail(name, f"{where}: you sent {comm_summary(comm)}",
                      "stage 2 never all-reduces gradients: a reduce-scatter (Ψ) gives each "
                      "rank only the averaged slice it owns")
-            blown_up = [c for c in rs if c["nbytes"] in {b * n for b in expected_sizes}]
+            # N times a bucket, and no bucket's own size: a size may be both (a bucket of
+            # 2880 bytes beside one of 960, N = 3), so only the sends beyond the expected
+            # ones are looked at.
+            surplus = Counter(c["nbytes"] for c in rs) - Counter(
+                expected_sizes * case.backwards)
+            blown_up = [size for size in surplus if size in {b * n for b in expected_sizes}]
             if blown_up:
-                fail(name, f"{where}: a reduce-scatter's input was {blown_up[0]['nbytes']} "
+                fail(name, f"{where}: a reduce-scatter's input was {blown_up[0]} "
                            f"bytes, {n} times the bucket",
                      "you concatenated N copies of the gradient (the ZeRO blog post's "
                      "'reduce-scatter'): that sends N times the bytes and briefly holds N "

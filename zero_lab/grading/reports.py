@@ -7,7 +7,8 @@ student, Gradescope's results.json per student, and a summary per exercise.
     gradescope/<student>/results.json  Gradescope's format: a test per exercise, its score and
                                      max_score, the feedback as its output
     summary.md                       per exercise: how many passed, the mean points, and the
-                                     case most students failed first
+                                     case most students failed first; then each tampered
+                                     exercise cell's diff (stub -> submitted, outside bodies)
 """
 
 from __future__ import annotations
@@ -93,6 +94,12 @@ def summary(graded: list, seed: int, note: str = "") -> str:
         mean = sum(g.points for g in gs) / len(gs)
         parts.append(f"| {notebook} | {check} | {count['pass']}/{len(gs)} | "
                      f"{mean:.1f}/{gs[0].max_points} | {statuses} | {common} |")
+    tampered = [g for g in graded if g.status == "tampered"]
+    if tampered:  # each with its diff, to accept or not (grade --accept)
+        parts += ["", "## Tampered exercise cells", ""]
+        for g in tampered:
+            parts += [f"### {_cell(g.student)}: {g.exercise.notebook}, {g.exercise.check}", "",
+                      *fenced(_lines(g)), ""]
     return "\n".join(parts) + "\n"
 
 

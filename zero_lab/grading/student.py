@@ -91,35 +91,12 @@ def write_student_copies(notebooks_dir: Path, out_dir: Path) -> dict[str, int]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """The command line: `student [--notebooks DIR] [--out DIR]`, or `grade SUBMISSIONS ...`
-    (batch.py); returns the exit code."""
-    parser = argparse.ArgumentParser(prog="python -m zero_lab.grading")
-    sub = parser.add_subparsers(dest="command", required=True)
-    student = sub.add_parser("student", help="write student copies of the notebooks")
-    student.add_argument("--notebooks", type=Path, default=NOTEBOOKS)
-    student.add_argument("--out", type=Path, default=STUDENT)
-    grade = sub.add_parser("grade", help="grade a folder of submissions (batch.py)")
-    grade.add_argument("submissions", type=Path, help="SUBMISSIONS/<student>/<notebook>.ipynb")
-    grade.add_argument("--out", type=Path, default=None,
-                       help="where the reports go (default: a new folder under runs/grades/)")
-    grade.add_argument("--seed", type=int, default=0, help="draws the hidden cases' inputs")
-    grade.add_argument("-j", "--jobs", type=int, default=2, help="exercises graded at once")
-    grade.add_argument("--timeout", type=float, default=1.0,
-                       help="scales every exercise's own time limit (2 doubles them)")
-    grade.add_argument("--only", default=None, help="notebooks whose name starts with this")
+    """`student [--notebooks DIR] [--out DIR]`; returns the exit code."""
+    parser = argparse.ArgumentParser(prog="python -m zero_lab.grading student",
+                                     description="write student copies of the notebooks")
+    parser.add_argument("--notebooks", type=Path, default=NOTEBOOKS)
+    parser.add_argument("--out", type=Path, default=STUDENT)
     args = parser.parse_args(argv)
-    if args.command == "grade":
-        from zero_lab.grading.batch import grade as grade_folder
-        from zero_lab.launch.paths import new_run_dir
-
-        out = args.out or new_run_dir("grades")
-        try:
-            grade_folder(args.submissions, out, args.seed, args.jobs, args.timeout, args.only)
-        except (FileNotFoundError, ValueError) as exc:
-            print(f"grade: {exc}", file=sys.stderr)
-            return 2
-        print(f"reports in {out}: grades.csv, summary.md, feedback/, gradescope/")
-        return 0
     written = write_student_copies(args.notebooks, args.out)
     for name, n in written.items():
         print(f"{args.out / name}: {n} solution(s) replaced by stubs")

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zero_lab.course.rank_cases import seeded_init
+
 RANKS = 3  # the launches' size (zero_lab.grading.remote.RANKS): what the sizes are chosen against
 
 
@@ -160,7 +162,7 @@ class OddModel(nn.Module):
 class BucketHookCase:
     bucket_bytes: int
     sizes: tuple[int, int, int, int] = (7, 32, 16, 5)  # OddModel's
-    init_seed: int = 0  # torch.manual_seed before the model is built
+    init_seed: int = 0  # the model's values: torch's default init after manual_seed(init_seed)
     batch_seed: int = 0  # rank r's batch of backward call k: generator batch_seed + 50·k + r
     rows: int = 6  # of each rank's batch
     backwards: int = 2  # backward calls before the check: gradient accumulation
@@ -171,8 +173,8 @@ class BucketHookCase:
 
     def model(self) -> OddModel:
         with torch.random.fork_rng(devices=[]):  # leaves the caller's global generator alone
-            torch.manual_seed(self.init_seed)
-            return OddModel(self.sizes).double()
+            model = OddModel(self.sizes)
+        return seeded_init(model, self.init_seed).double()  # thread-safe: its own generator
 
     def batch(self, rank: int, backward: int) -> tuple[torch.Tensor, torch.Tensor]:
         gen = torch.Generator().manual_seed(self.batch_seed + 50 * backward + rank)

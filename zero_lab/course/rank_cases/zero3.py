@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from zero_lab.course.rank_cases import seeded_init
+
 
 @dataclass(frozen=True)
 class UnitCase:
@@ -107,10 +109,9 @@ def post_backward_cases(seed: int | None) -> list[UnitCase]:
 
 
 def build_module(case: UnitCase) -> nn.Module:
-    """The case's module in float64, the same in every process (the global generator is
-    seeded inside a fork of it: the caller's random state is left as it was)."""
+    """The case's module in float64, the same in every process and thread (built inside a
+    fork of the global generator: the caller's random state is left as it was)."""
     with torch.random.fork_rng(devices=[]):
-        torch.manual_seed(case.param_seed)
         if case.kind == "linear":
             module = nn.Linear(case.features, case.width)
         elif case.kind == "linear_norm":
@@ -118,7 +119,13 @@ def build_module(case: UnitCase) -> nn.Module:
                                    nn.LayerNorm(case.width))
         else:
             module = Scaled(case.width)
-        return module.double()
+    # The values are drawn from a generator of their own, the same as torch.manual_seed
+    # (param_seed) then default init: the grader's threads never share one (seeded_init).
+    if isinstance(module, Scaled):
+        with torch.no_grad():
+            gen = torch.Generator().manual_seed(case.param_seed)
+            module.weight.copy_(torch.randn(module.weight.shape, generator=gen))
+    return seeded_init(module, case.param_seed).double()
 
 
 def case_input(case: UnitCase) -> torch.Tensor:
