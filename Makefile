@@ -64,12 +64,14 @@ BROWSER_TESTS := tests/test_browser.py
 BROWSER_NOTEBOOKS := notebooks/00_setup.ipynb notebooks/01_memory_accounting.ipynb
 NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*.ipynb))
 # Tests that mostly wait (a launch held until its time limit, on sleeping ranks) run in nbval's
-# process too: in a clean-clone CI run pytest took 669 s beside nbval's 581 s. So does notebook
-# 10's test, which runs that notebook's cells on a launch of its own (nbval's lane was 580 s of
-# pytest's 653 s at 841a263).
+# process too: in a clean-clone CI run pytest took 669 s beside nbval's 581 s. So do notebook
+# 10's test, which runs that notebook's cells on a launch of its own, and the grader's tests on
+# rank exercises: at d14f231 pytest took 673 s beside nbval's 576 s, the cores 80% busy.
 WAITING_TESTS := tests/test_grading_hangs.py tests/test_launch_orphans.py
 NOTEBOOK_TESTS := tests/test_nb10_at_work.py
-BESIDE_NBVAL := $(BROWSER_TESTS) $(WAITING_TESTS) $(NOTEBOOK_TESTS)
+RANK_GRADING_TESTS := tests/test_grade_batch_ranks.py tests/test_grading_sandbox_ranks.py \
+    tests/test_grading_seeds.py
+BESIDE_NBVAL := $(BROWSER_TESTS) $(WAITING_TESTS) $(NOTEBOOK_TESTS) $(RANK_GRADING_TESTS)
 
 # pytest and nbval run at the same time, one process each: nbval's work fills the cores while
 # pytest waits on launches and timeouts, instead of starting after it. The browser test runs

@@ -213,3 +213,34 @@ def test_the_class_s_functions_pass_the_notebook_s_own_checks(capsys):
     exec(BYTES_REF.replace(*SIGNATURE_EDIT), tampered)
     grading.check_bytes_per_param(tampered["my_bytes_per_param"])
     assert capsys.readouterr().out.count("✓") == 4
+
+
+def test_the_ast_work_of_concurrent_exercises_runs_one_at_a_time(tmp_path, monkeypatch):
+    """The grader grades exercises in threads; CPython 3.11's ast module keeps one recursion
+    count for the interpreter, so two threads converting ASTs at once can fail with
+    "SystemError: AST constructor recursion depth mismatch" (a CI run graded a correct
+    reference `crash` so). Reading submissions is held to one thread at a time."""
+    import threading
+    import time
+
+    inside, most, lock = [0], [0], threading.Lock()
+    parse = submissions.ast.parse
+
+    def slow_parse(*args, **kwargs):
+        with lock:
+            inside[0] += 1
+            most[0] = max(most[0], inside[0])
+        time.sleep(0.002)  # long enough for another grading thread to arrive
+        try:
+            return parse(*args, **kwargs)
+        finally:
+            with lock:
+                inside[0] -= 1
+
+    monkeypatch.setattr(submissions.ast, "parse", slow_parse)
+    for name in ("a", "b", "c"):
+        submit(tmp_path / "in", name, {NB01: course(NB01)})
+    done = batch.grade(tmp_path / "in", tmp_path / "out", only="01", jobs=3,
+                       progress=lambda line: None)
+    assert all(g.status == "pass" for g in done), [(g.status, g.lines) for g in done]
+    assert most[0] == 1, f"{most[0]} threads read submissions' ASTs at once"

@@ -23,6 +23,7 @@ import difflib
 import hashlib
 import io
 import json
+import threading
 import tokenize
 from collections.abc import Iterable
 from dataclasses import dataclass
@@ -115,8 +116,22 @@ def tamper_diff(stub: str, source: str, names: tuple[str, ...]) -> str:
     return "".join(difflib.unified_diff(before, after, "stub", "submitted", n=1)).rstrip()
 
 
+# The batch grader grades exercises in threads, and CPython 3.11's ast module counts recursion
+# once per interpreter: two threads converting ASTs at once can fail with "SystemError: AST
+# constructor recursion depth mismatch" (it graded a correct reference `crash` in a CI run).
+# Reading a submission takes milliseconds; one thread at a time costs nothing.
+_AST_LOCK = threading.Lock()
+
+
 def exercise_code(submission: dict, course: dict, names: tuple[str, ...], check: str = "",
                   accepted: bool = False) -> Found:
+    """`_exercise_code`, one thread at a time (`_AST_LOCK`)."""
+    with _AST_LOCK:
+        return _exercise_code(submission, course, names, check, accepted)
+
+
+def _exercise_code(submission: dict, course: dict, names: tuple[str, ...], check: str = "",
+                   accepted: bool = False) -> Found:
     """The functions `names` of a submitted notebook, as its kernel holds them when the check
     cell runs: each one's last definition in a code cell above the check cell (the course
     notebook's cell id, else the first cell calling `check`), with the top-level imports,
