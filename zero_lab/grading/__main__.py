@@ -7,6 +7,8 @@
     python -m zero_lab.grading gradebook GRADES.csv ... [--weights W.csv]   totals, one row a
                                                                  student, runs merged
     python -m zero_lab.grading gradescope build NB ...           Gradescope's autograder zip
+    python -m zero_lab.grading soak [--runs 20] [--load 2]       the reference class, graded
+                                                                 again and again under load
 """
 
 import argparse
@@ -17,7 +19,7 @@ from pathlib import Path
 # Each of these modules has its own command line (`main(argv)`).
 COMMANDS = {"student": "zero_lab.grading.student", "collect": "zero_lab.grading.collect",
             "gradebook": "zero_lab.grading.gradebook",
-            "gradescope": "zero_lab.grading.gradescope"}
+            "gradescope": "zero_lab.grading.gradescope", "soak": "zero_lab.grading.soak"}
 
 
 def grade_main(argv: list[str]) -> int:
