@@ -70,6 +70,7 @@ NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*
 WAITING_TESTS := tests/test_grading_hangs.py tests/test_launch_orphans.py
 NOTEBOOK_TESTS := tests/test_nb10_at_work.py
 RANK_GRADING_TESTS := tests/test_grade_batch_ranks.py tests/test_grading_sandbox_ranks.py \
+    tests/test_grading_forged.py \
     tests/test_grading_seeds.py
 BESIDE_NBVAL := $(BROWSER_TESTS) $(WAITING_TESTS) $(NOTEBOOK_TESTS) $(RANK_GRADING_TESTS)
 

@@ -19,15 +19,15 @@ graded once `accept`ed), after the imports the notebook gave it. Two kinds:
   expected values with the course's reference here (zero_lab/course/rank_cases/). Points: one
   per case, each judged on its own.
 
-Containment (jail.py, child.py): each child in a bubblewrap sandbox of its own: the course
-and Python read-only, only its scratch folder writable, the output and submissions folders
-absent, its own PID namespace (all it started ends with it, and with the grader), loopback
-only, a user id and a cgroup of its own where the machine allows; without one the grader
-refuses unless `--unsafe-no-sandbox`. The instructor's seed never goes there: the kernel
-exercises get drawn inputs, the ranks a seed hashed from it per exercise (`case_seed`). A
-time limit per exercise (`--timeout` scales every exercise's own). Results: each exercise
-written as it ends (results_log.py; `--resume` continues a run), then grades.csv,
-feedback/<student>.md, gradescope/<student>/results.json and summary.md, in DIR.
+Containment (jail.py, child.py): each child in a bubblewrap sandbox of its own (the course
+read-only, only its scratch folder writable, its own PID namespace, loopback only, a user id
+and a cgroup of its own where the machine allows); without one the grader refuses unless
+`--unsafe-no-sandbox`. The bytes the ranks sent on that loopback, counted by the kernel
+(wire.py), must back their reports, else none of their cases is judged. The instructor's
+seed never goes there: the kernel exercises get drawn inputs, the ranks a seed hashed from it
+per exercise (`case_seed`). A time limit per exercise (`--timeout` scales each one's). Each
+result written as it ends (results_log.py; `--resume`), then grades.csv, feedback/, Gradescope's
+results.json and summary.md, in DIR.
 """
 
 from __future__ import annotations
@@ -46,8 +46,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from zero_lab.grading import jail, results_log
-from zero_lab.grading.child import allow_children, run_child, stop_children
+from zero_lab.grading import jail, results_log, wire
+from zero_lab.grading.child import allow_children, run_counted, stop_children
+from zero_lab.grading.child import run_child as run_child  # batch.run_child, as before
 from zero_lab.grading.framework import ExerciseFailed, diagnose
 from zero_lab.grading.hidden import HIDDEN, Hidden
 from zero_lab.grading.remote import HANG_HINT
@@ -192,11 +193,11 @@ def _grade_one(student: str, exercise: Exercise, submission: dict | None, course
                         "seed": case_seed(seed, exercise.check),
                         "check": exercise.check, "timeout": launch,
                         "hang_hint": hint}
-    answers, ended, printed, g.seconds = run_child(job, limit, sandboxed)
+    answers, ended, printed, g.seconds, sent = run_counted(job, limit, sandboxed)
     if hidden:
         _judge_cases(g, cases, answers)
     else:
-        _judge_reports(g, answers, case_seed(seed, exercise.check))
+        _judge_reports(g, answers, case_seed(seed, exercise.check), sent, sandboxed)
     if ended == "timeout":
         g.status = "timeout"
         g.lines.append(f"stopped after {limit:.0f} s (the exercise's limit); every process "
@@ -243,8 +244,9 @@ def _judge_cases(g: Graded, cases: list, answers: list[dict]) -> None:
     g.status = "pass" if g.points == g.max_points else "fail"
 
 
-def _judge_reports(g: Graded, answers: list[dict], seed: int) -> None:
-    """An exercise on ranks: its judge, here, on what the ranks reported; a point per case."""
+def _judge_reports(g: Graded, answers: list[dict], seed: int, sent: int | None = None,
+                   sandboxed: bool = False) -> None:
+    """Its judge, here, on what the ranks reported, a point per case, once `sent` backs them."""
     answer = answers[0] if answers and isinstance(answers[0], dict) else {}
     if "defined" in answer:
         g.lines.append(f"the cell's functions could not be defined: {answer['error']}")
@@ -259,6 +261,9 @@ def _judge_reports(g: Graded, answers: list[dict], seed: int) -> None:
         return
     if "reports" not in answer:
         return  # the child ended before the launch did: run_child's status says how
+    if problem := wire.gate(g.exercise.check, answer["reports"], sent, sandboxed):
+        g.lines, g.first_failing = [*g.lines, problem], "bytes on the wire"  # none judged
+        return
     judge = getattr(importlib.import_module(g.exercise.module), g.exercise.ranks.judge)
     for case in range(1, g.max_points + 1):
         try:
@@ -328,7 +333,7 @@ def grade(folder: Path | None, out: Path, seed: int = 0, jobs: int = 2,
                         f"bubblewrap (apt-get install bubblewrap), or pass {jail.UNSAFE_FLAG} "
                         "to grade with learner code able to reach this user's files, "
                         "processes and network")
-    note = jail.note(unsafe)
+    note = f"{jail.note(unsafe)} {wire.note(sandboxed)}"
     chosen = [e for e in exercises() if only is None or e.notebook.startswith(only)]
     if not chosen:
         raise ValueError(f"--only {only!r} names no notebook with graded exercises")

@@ -19,7 +19,7 @@ import threading
 import time
 from pathlib import Path
 
-from zero_lab.grading import jail, sandbox
+from zero_lab.grading import jail, sandbox, wire
 from zero_lab.grading.offline import offline_prefix
 from zero_lab.grading.sandbox import ANSWERS, JOB
 from zero_lab.launch.paths import NOTEBOOKS
@@ -38,6 +38,13 @@ def run_child(job: dict, timeout_s: float, sandboxed: bool = True
     new session and a network namespace where unshare allows one); returns (answers, how it
     ended, printed, s). How it ended: "done", "timeout" or "crash: <why>". At the limit the
     whole sandbox is killed, so nothing it started is left."""
+    return run_counted(job, timeout_s, sandboxed)[:4]
+
+
+def run_counted(job: dict, timeout_s: float, sandboxed: bool = True
+                ) -> tuple[list[dict], str, str, float, int | None]:
+    """`run_child`, and the bytes sent on the sandbox's loopback from its start to its end,
+    counted outside it (wire.py; None: not sandboxed, or its namespace was never found)."""
     with tempfile.TemporaryDirectory(prefix="zero_lab_grade_") as tmp:
         folder = Path(tmp)
         job = dict(job)
@@ -54,7 +61,7 @@ def run_child(job: dict, timeout_s: float, sandboxed: bool = True
         start = time.monotonic()
         try:
             with open(printed, "wb") as out:
-                ended = _run(argv, out, folder, timeout_s)
+                ended, sent = _run(argv, out, folder, timeout_s, sandboxed)
         finally:
             jail.remove(cgroups)
         seconds = time.monotonic() - start
@@ -66,26 +73,37 @@ def run_child(job: dict, timeout_s: float, sandboxed: bool = True
             answers = []
         with open(printed, "rb") as f:
             text = f.read(PRINTED_BYTES).decode("utf-8", "replace")
-    return answers, ended, text, seconds
+    return answers, ended, text, seconds, sent
 
 
-def _run(argv: list[str], out, folder: Path, timeout_s: float) -> str:
+def _run(argv: list[str], out, folder: Path, timeout_s: float, sandboxed: bool
+         ) -> tuple[str, int | None]:
+    """(how the child ended, the bytes sent on its sandbox's loopback: counted from its
+    start to after everything it started has ended)."""
     with _LIVE_LOCK:
         if _STOPPING.is_set():
-            return "crash: the grader was interrupted"
+            return "crash: the grader was interrupted", None
+        start = time.monotonic()
         child = subprocess.Popen(argv, stdout=out, stderr=subprocess.STDOUT,
                                  stdin=subprocess.DEVNULL, start_new_session=True, cwd=folder,
                                  env=_child_env(folder))
         _LIVE.add(child)
+    count = wire.Wire(child.pid)
     try:
-        code = child.wait(timeout=timeout_s)
-        return "done" if code == 0 else f"crash: {_exit_reason(code)}"
-    except subprocess.TimeoutExpired:
-        return "timeout"
+        try:
+            if sandboxed:  # its namespace held open before any learner code runs
+                count.watch(lambda: child.poll() is None, timeout_s)
+            code = child.wait(timeout=max(0.0, timeout_s - (time.monotonic() - start)))
+            ended = "done" if code == 0 else f"crash: {_exit_reason(code)}"
+        except subprocess.TimeoutExpired:
+            ended = "timeout"
+        finally:
+            _kill_session(child)
+            with _LIVE_LOCK:
+                _LIVE.discard(child)
+        return ended, count.sent()  # everything in the namespace has ended: its final count
     finally:
-        _kill_session(child)
-        with _LIVE_LOCK:
-            _LIVE.discard(child)
+        count.close()
 
 
 def allow_children() -> None:

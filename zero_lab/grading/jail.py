@@ -9,8 +9,9 @@ and reach is decided by the kernel, not by checks in Python the learner's code c
   the submissions, the repository's other folders, /run, /home (so no Unix socket outside);
 - its own PID namespace, ended with it (`--die-with-parent`: when the grader ends, however,
   every process the exercise started ends too; a setsid() or a double fork escapes nothing);
-- its own network namespace: loopback only, which the ranks meet on; abstract Unix sockets
-  are per network namespace, so none outside is reachable either;
+- its own network namespace: loopback only, which the ranks meet on (the grader counts the
+  bytes sent there: wire.py); abstract Unix sockets are per network namespace, so none
+  outside is reachable either;
 - no capabilities, no new privileges; run by root, the child drops to a user id of its own
   (`uid`), so RLIMIT_NPROC counts its processes and threads alone (root's are never
   counted); run by anyone else, bwrap's user namespace does the same.
