@@ -80,7 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     out = new_run_dir("grade_soak")
     print(f"grade soak: {args.runs} runs of {args.students} reference student(s) beside "
           f"{args.load} busy process(es), into {out}")
-    result = soak(out, args.runs, args.load, args.students, args.only, args.jobs)
+    result = soak(out, args.runs, args.load, args.students, args.only, args.jobs,
+                  say=lambda line: print(line, flush=True))  # a line a run, even into a file
     for key, failed in result.items():
         print(f"{key}: {args.runs - len({f.split(',')[0] for f in failed})}/{args.runs} runs "
               "at full marks")
