@@ -259,5 +259,5 @@ def test_learner_code_has_no_network_where_the_machine_allows_it():
     job = {"preamble": "import socket\n", "functions": ["interfaces"], "source": (
         "def interfaces():\n    return sorted(name for _, name in socket.if_nameindex())\n"),
         "calls": [__import__("pickle").dumps(((), {}))]}
-    answers, ended, _, _ = batch.run_child(job, 30)
+    answers, ended, _, _, _ = batch.run_child(job, 30)
     assert ended == "done" and batch.decode(answers[0]["value"]) == ["lo"], answers

@@ -374,7 +374,7 @@ def _child(source: str, timeout: float = 60) -> tuple[object, str]:
 
     job = {"preamble": "", "functions": ["f"], "source": source,
            "calls": [__import__("pickle").dumps(((), {}))]}
-    answers, ended, printed, _ = batch.run_child(job, timeout)
+    answers, ended, printed, _, _ = batch.run_child(job, timeout)
     value = batch.decode(answers[0]["value"]) if answers and "value" in answers[0] else answers
     return value, ended
 

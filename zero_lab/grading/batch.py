@@ -47,8 +47,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zero_lab.grading import jail, results_log, wire
-from zero_lab.grading.child import allow_children, run_counted, stop_children
-from zero_lab.grading.child import run_child as run_child  # batch.run_child, as before
+from zero_lab.grading.child import allow_children, run_child, stop_children
 from zero_lab.grading.framework import ExerciseFailed, diagnose
 from zero_lab.grading.hidden import HIDDEN, Hidden
 from zero_lab.grading.remote import HANG_HINT
@@ -193,7 +192,7 @@ def _grade_one(student: str, exercise: Exercise, submission: dict | None, course
                         "seed": case_seed(seed, exercise.check),
                         "check": exercise.check, "timeout": launch,
                         "hang_hint": hint}
-    answers, ended, printed, g.seconds, sent = run_counted(job, limit, sandboxed)
+    answers, ended, printed, g.seconds, sent = run_child(job, limit, sandboxed)
     if hidden:
         _judge_cases(g, cases, answers)
     else:

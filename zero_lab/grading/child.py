@@ -33,18 +33,13 @@ _STOPPING = threading.Event()
 
 
 def run_child(job: dict, timeout_s: float, sandboxed: bool = True
-              ) -> tuple[list[dict], str, str, float]:
+              ) -> tuple[list[dict], str, str, float, int | None]:
     """Run sandbox.py on `job` in a sandbox of its own (jail.py; `sandboxed=False`: only a
     new session and a network namespace where unshare allows one); returns (answers, how it
-    ended, printed, s). How it ended: "done", "timeout" or "crash: <why>". At the limit the
-    whole sandbox is killed, so nothing it started is left."""
-    return run_counted(job, timeout_s, sandboxed)[:4]
-
-
-def run_counted(job: dict, timeout_s: float, sandboxed: bool = True
-                ) -> tuple[list[dict], str, str, float, int | None]:
-    """`run_child`, and the bytes sent on the sandbox's loopback from its start to its end,
-    counted outside it (wire.py; None: not sandboxed, or its namespace was never found)."""
+    ended, printed, s, bytes sent). How it ended: "done", "timeout" or "crash: <why>". At the
+    limit the whole sandbox is killed, so nothing it started is left. The bytes are those sent
+    on the sandbox's loopback from its start to its end, counted outside it (wire.py; None:
+    not sandboxed, or its namespace was never found)."""
     with tempfile.TemporaryDirectory(prefix="zero_lab_grade_") as tmp:
         folder = Path(tmp)
         job = dict(job)
