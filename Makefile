@@ -85,9 +85,12 @@ BESIDE_NBVAL := $(BROWSER_TESTS) $(WAITING_TESTS) $(NOTEBOOK_TESTS) $(RANK_GRADI
 # and no two notebooks save the same one (tests/test_notebook_cells.py).
 # pytest exits 5 when it collects nothing; that is not a failure of the code under test.
 NBVAL_LOG ?= runs/nbval.log
-ENSURE_CHROMIUM ?= sh tests/browser/ensure_chromium.sh
-# The grader's sandbox (bubblewrap): installed where apt-get and root allow (tests/ensure_bwrap.sh).
-ENSURE_BWRAP ?= sh tests/ensure_bwrap.sh
+# Chromium for tests/test_browser.py, bubblewrap for the grader's sandbox: each installed where
+# apt-get and root allow (tests/ensure_package.sh).
+ENSURE_CHROMIUM ?= sh tests/ensure_package.sh chromium chromium tests/test_browser.py
+ENSURE_BWRAP ?= sh tests/ensure_package.sh bwrap bubblewrap "the grader's sandbox" \
+    "no bwrap (bubblewrap) here: the grader refuses to run without it (or with \
+    --unsafe-no-sandbox), and the sandbox tests fail; install bubblewrap"
 test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 	$(VENV)/bin/ruff check zero_lab tests
 	@$(ENSURE_CHROMIUM)

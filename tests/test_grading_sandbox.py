@@ -56,7 +56,7 @@ def _need_sandbox() -> None:
     ok, why = jail.available()
     if not ok:  # never a silent pass: these routes are open without it
         pytest.fail(f"no sandbox on this machine ({why}): install bubblewrap "
-                    "(sh tests/ensure_bwrap.sh as root, or apt-get install bubblewrap)")
+                    "(make test as root, or apt-get install bubblewrap)")
 
 
 def _copy_repo(where: Path) -> Path:
