@@ -14,6 +14,8 @@ from zero_lab.launch.paths import REPO_ROOT
 
 WORLD_CASES = REPO_ROOT / "tests" / "workers" / "world_cases.py"
 WORLD_SIZES = (1, 2, 3)  # of stages 0-3 (tests/workers/world_cases.py)
+# The expert findings measured on 2 ranks (tests/test_finding_*.py), one launch for all.
+FINDING_CASES = REPO_ROOT / "tests" / "workers" / "finding_cases.py"
 
 _launched: dict[tuple[Path, int], tuple[dict, ...] | Exception] = {}
 
@@ -38,6 +40,12 @@ def case_reports(part: str, nproc: int) -> tuple[dict, ...]:
     """Every rank's report of `part` (a key of tests/workers/world_cases.py's PARTS, e.g.
     "stages") from the launch of world_cases.py on `nproc` gloo ranks that the parts share."""
     return tuple(rep[part] for rep in worker_reports(WORLD_CASES, nproc))
+
+
+def finding_reports(part: str) -> tuple[dict, ...]:
+    """Every rank's report of `part` (e.g. "frozen") from the one launch of
+    tests/workers/finding_cases.py on 2 gloo ranks that the finding tests share."""
+    return tuple(rep[part] for rep in worker_reports(FINDING_CASES, 2))
 
 
 def stage_case_reports(nproc: int) -> tuple[dict, ...]:

@@ -15,17 +15,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from common import worker_reports
+from common import finding_reports
 from finding_text import markdown, sentences
-
-from zero_lab.launch.paths import REPO_ROOT
-
-WORKER = REPO_ROOT / "tests" / "workers" / "finding_cases.py"
 
 
 @pytest.fixture(scope="module")
 def reports() -> tuple[dict, ...]:
-    return tuple(rep["held_gradient"] for rep in worker_reports(WORKER, 2))
+    return finding_reports("held_gradient")
 
 
 def test_fsdp2_holds_the_unsharded_gradient_in_fp32_with_reduce_dtype_fp32(reports):

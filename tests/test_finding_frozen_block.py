@@ -14,17 +14,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from common import worker_reports
+from common import finding_reports
 from finding_text import markdown, sentences
-
-from zero_lab.launch.paths import REPO_ROOT
-
-WORKER = REPO_ROOT / "tests" / "workers" / "finding_cases.py"
 
 
 @pytest.fixture(scope="module")
 def reports() -> tuple[dict, ...]:
-    return tuple(rep["frozen"] for rep in worker_reports(WORKER, 2))
+    return finding_reports("frozen")
 
 
 def test_the_course_keeps_a_wholly_frozen_block_whole_or_in_the_root_unit(reports):

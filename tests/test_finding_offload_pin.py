@@ -12,17 +12,13 @@ from __future__ import annotations
 import re
 
 import pytest
-from common import worker_reports
+from common import finding_reports
 from finding_text import markdown, sentences
-
-from zero_lab.launch.paths import REPO_ROOT
-
-WORKER = REPO_ROOT / "tests" / "workers" / "finding_cases.py"
 
 
 @pytest.fixture(scope="module")
 def reports() -> tuple[dict, ...]:
-    return tuple(rep["offload"] for rep in worker_reports(WORKER, 2))
+    return finding_reports("offload")
 
 
 def test_pinned_offload_is_refused_on_cpu_and_unpinned_offload_trains(reports):
