@@ -232,6 +232,7 @@ def version_note(nb: dict, course: dict) -> str:
     copy = student_notebook(course)[0]
     mine = code_cells(nb)
     ids = {cid for cid, _ in mine if cid}
+    texts = {_norm(src) for _, src in mine}
     kept, total, exercises = 0, 0, []
     for (_, text), (_, original) in zip(code_cells(copy), code_cells(course), strict=True):
         total += 1
@@ -241,7 +242,7 @@ def version_note(nb: dict, course: dict) -> str:
             ok = any(outside_bodies(src, names) == want for _, src in mine)
             exercises += [] if ok else [", ".join(names)]
         else:
-            ok = _norm(text) in {_norm(src) for _, src in mine}
+            ok = _norm(text) in texts
         kept += ok
     id_share = sum(cid in ids for cid, _ in code_cells(course)) / max(total, 1)
     if total and kept / total < SAME_VERSION:
