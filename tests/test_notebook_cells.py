@@ -108,3 +108,42 @@ def test_the_tests_save_figures_apart_from_the_notebooks():
     from zero_lab.launch.paths import RUNS, figures_dir
 
     assert not figures_dir().resolve().is_relative_to(RUNS.resolve())
+
+
+def printed_run_folders(path: Path) -> list[str]:
+    """'cell i: name' for each f-string a cell prints that holds a new_run_dir() folder whole.
+
+    The folder is absolute: in CI's checkout (/check/work/main/...) notebook 10's line was 115
+    characters and failed the 110-character rule. Printed through paths.shown(), it is the
+    folder under the course (runs/at_work/...), the same length in any checkout."""
+    found = []
+    for i, cell in enumerate(json.loads(path.read_text())["cells"]):
+        source = "".join(cell["source"])
+        if cell["cell_type"] != "code" or source.startswith("%%"):
+            continue
+        code = "\n".join(ln for ln in source.splitlines() if not ln.lstrip().startswith("%"))
+        tree = ast.parse(code)
+        made = [node for node in ast.walk(tree) if isinstance(node, ast.Assign)
+                and getattr(getattr(node.value, "func", None), "id", "") == "new_run_dir"]
+        folders = {t.id for node in made for t in node.targets if isinstance(t, ast.Name)}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.FormattedValue) and isinstance(node.value, ast.Name) \
+                    and node.value.id in folders:
+                found.append(f"cell {i}: {node.value.id}")
+    return found
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_a_run_folder_is_printed_under_the_course_not_whole(path):
+    assert printed_run_folders(path) == [], "print it as shown(folder) (zero_lab.launch.paths)"
+
+
+def test_shown_names_a_run_folder_under_the_course_in_any_checkout(monkeypatch, tmp_path):
+    from zero_lab.launch import paths
+
+    deep = tmp_path / ("d" * 90) / "zero-lab"
+    monkeypatch.setattr(paths, "REPO_ROOT", deep)
+    folder = deep / "runs" / "at_work" / "20261129-125556-21791-d5b5"
+    assert paths.shown(folder) == "runs/at_work/20261129-125556-21791-d5b5"
+    outside = tmp_path / "elsewhere" / "x"  # $ZERO_LAB_RUNS_DIR outside the course: whole
+    assert paths.shown(outside) == str(outside)

@@ -38,7 +38,7 @@ The rest of the launch, one job a module:
     failures.py   which rank failed a launch, and how (LaunchError)
     capacity.py   will nproc ranks fit: cores and memory, checked before anything starts
     rank_side.py  what runs inside every rank: init_worker(), report(), dying with the parent
-    paths.py      where things live in the repository; new_run_dir()
+    paths.py      where things live in the repository; new_run_dir(), shown()
 """
 
 from __future__ import annotations

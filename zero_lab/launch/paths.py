@@ -28,6 +28,16 @@ def figures_dir() -> Path:
     return path
 
 
+def shown(path: Path) -> str:
+    """`path` as a learner reads it in printed output: under the course (runs/at_work/...) when
+    it is there, whole when not. An absolute path grows with the checkout's depth and would break
+    the 110-character lines the notebooks keep."""
+    try:
+        return str(Path(path).relative_to(REPO_ROOT))
+    except ValueError:
+        return str(path)
+
+
 def new_run_dir(kind: str, root: Path | None = None) -> Path:
     """A new folder of this run's own under runs/<kind>/ (created; never one another run has).
 
