@@ -76,6 +76,23 @@ def sharded_step(flat_param, flat_grad, shard_param, optimizer):
     dist.all_gather_single(flat_param, shard_param.detach())
 
 
+def sharded_step_list_form(flat_param, flat_grad, shard_param, optimizer):
+    # The same step spelled with the list form and the tensor form of torch's API.
+    grad = torch.empty_like(shard_param)
+    dist.reduce_scatter(grad, list(flat_grad.chunk(dist.get_world_size())), op=dist.ReduceOp.AVG)
+    shard_param.grad = grad
+    optimizer.step()
+    dist.all_gather_into_tensor(flat_param, shard_param.detach())
+
+
+def sharded_step_tensor_form(flat_param, flat_grad, shard_param, optimizer):
+    grad = torch.empty_like(shard_param)
+    dist.reduce_scatter_tensor(grad, flat_grad, op=dist.ReduceOp.AVG)
+    shard_param.grad = grad
+    optimizer.step()
+    dist.all_gather_single(flat_param, shard_param.detach())
+
+
 def sharded_step_stub(flat_param, flat_grad, shard_param, optimizer):
     raise NotImplementedError("exercise: replace this line with your solution")
 
@@ -100,6 +117,20 @@ def sharded_step_summed(flat_param, flat_grad, shard_param, optimizer):
 def test_sharded_step_accepts_the_reference(judge, capsys):
     judge("sharded_step", sharded_step)
     assert "3/3 cases pass on 3 ranks" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("fn", [sharded_step, sharded_step_list_form, sharded_step_tensor_form])
+def test_every_spelling_of_reduce_scatter_is_sent_as_one_on_gloo(judge, graded, fn):
+    """torch 2.13's gloo reduce-scatter is an all-reduce on the wire; the rank runner sends
+    the learner's as a real one (course/exercises.py, send_reduce_scatters_directly), which the
+    batch grader's count of bytes needs (wire.py). Whichever way it is spelled, it is judged
+    as the reference is. Mutant: the runner does not route them (or one spelling): c10d's op
+    sent it."""
+    judge("sharded_step", fn)
+    sent_by = {c["by"] for rep in graded[f"sharded_step:{fn.__name__}"]
+               for rec in rep["results"] for step in rec["steps"] for c in step["comm"]
+               if c["op"] == "reduce_scatter"}
+    assert sent_by == {"zero_lab.collectives.exchange"}, sent_by
 
 
 def test_sharded_step_rejects_the_stub():
@@ -329,6 +360,8 @@ def test_seeded_cases_reject_wrong_answers(judge):
 RUNS = [
     ("owned_range", owned_range_remainder_to_last),
     ("sharded_step", sharded_step),
+    ("sharded_step", sharded_step_list_form),
+    ("sharded_step", sharded_step_tensor_form),
     ("sharded_step", sharded_step_all_reduce),
     ("sharded_step", sharded_step_summed),
     ("bucket_hook", on_grad_ready),

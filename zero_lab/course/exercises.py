@@ -10,6 +10,8 @@ the hidden cases through `run_exercises`, reporting facts (values, the collectiv
 - The notebooks build `GradBucket` (notebook 04) and `BareUnit` (notebook 05) to try their
   functions; the grader builds them to probe for a stub; the rank scripts grade with them.
 - `load_learner_code`, `learner_error`, `ledger_records` and `run_exercises` run on the ranks.
+- On gloo, `run_exercises` sends the learner's reduce-scatters as one (`send_reduce_scatters_
+  directly`): torch's is an all-reduce on the wire, and the grader weighs the wire's bytes.
 
 This module imports only shared modules, never the grader, the bench, the plots or a script.
 """
@@ -107,8 +109,9 @@ def learner_error(exc: BaseException, during: str = "") -> dict:
 
 
 def ledger_records(ledger: CommLedger) -> list[dict]:
-    """The collectives a CommLedger saw, as JSON-ready dicts: op, bytes, during backward."""
-    return [{"op": r.op, "nbytes": r.nbytes, "in_backward": r.in_backward}
+    """The collectives a CommLedger saw, as JSON-ready dicts: op, bytes, during backward, and
+    what sent it ("by": torch's c10d op, or zero_lab.collectives.exchange; for the tests)."""
+    return [{"op": r.op, "nbytes": r.nbytes, "in_backward": r.in_backward, "by": r.torch_op}
             for r in ledger.records]
 
 
@@ -133,6 +136,7 @@ def run_exercises(argv: list[str], runners: dict, extra: dict | None = None) -> 
         stacks_at, runs = float(runs[1]), runs[2:]
     namespace = load_learner_code(source_file, extra)
     info = init_worker()
+    send_reduce_scatters_directly()
     if stacks_at is not None:
         dump_stacks_at(stacks_at, info.rank)
     for key in runs:
@@ -142,6 +146,46 @@ def run_exercises(argv: list[str], runners: dict, extra: dict | None = None) -> 
             runners[exercise](*(namespace[name] for name in names.split(",")), out, seed)
         finally:
             report({key: out})
+
+
+def send_reduce_scatters_directly() -> None:
+    """On gloo, the learner's reduce-scatters (SUM or AVG; `dist.reduce_scatter_single`,
+    `reduce_scatter_tensor`, `_reduce_scatter_base` and the list form `reduce_scatter`) run
+    as zero_lab.collectives.exchange's direct exchange from here on, in this process.
+
+    torch 2.13's gloo reduce-scatter clones its input and all-reduces all of it: on the wire it
+    is the all-reduce it should halve. The batch grader counts the bytes an exercise's ranks
+    send (zero_lab/grading/wire.py); with a real reduce-scatter on the wire, a step that
+    all-reduces and claims a reduce-scatter sends half as much again as its claim, which the
+    count sees. The call, its arguments and the ledger's record are unchanged; only the bytes
+    beneath it are now a reduce-scatter's. NCCL's is a real one: left as it is."""
+    if dist.get_backend() != "gloo":
+        return
+    from zero_lab.collectives import exchange
+
+    torch_flat, torch_list = dist.reduce_scatter_tensor, dist.reduce_scatter
+
+    def direct(output, inputs, op) -> bool:  # what the exchange takes; torch's does the rest
+        return (op in (dist.ReduceOp.SUM, dist.ReduceOp.AVG) and output.is_contiguous()
+                and all(t.is_contiguous() and t.dtype == output.dtype for t in inputs))
+
+    def reduce_scatter_tensor(output, input, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not direct(output, [input], op):
+            return torch_flat(output, input, op=op, group=group, async_op=async_op)
+        return exchange.reduce_scatter(output.view(-1), input.view(-1), op=op, group=group,
+                                       async_op=async_op)
+
+    def reduce_scatter(output, input_list, op=dist.ReduceOp.SUM, group=None, async_op=False):
+        if not direct(output, input_list, op) or any(t.numel() != output.numel()
+                                                     for t in input_list):
+            return torch_list(output, input_list, op=op, group=group, async_op=async_op)
+        whole = torch.cat([t.view(-1) for t in input_list])
+        return exchange.reduce_scatter(output.view(-1), whole, op=op, group=group,
+                                       async_op=async_op)
+
+    dist.reduce_scatter_single = dist.reduce_scatter_tensor = reduce_scatter_tensor
+    dist._reduce_scatter_base = reduce_scatter_tensor
+    dist.reduce_scatter = reduce_scatter
 
 
 # Kept open until the process ends: faulthandler writes to its file descriptor from C.
