@@ -91,6 +91,12 @@ ENSURE_CHROMIUM ?= sh tests/ensure_package.sh chromium chromium tests/test_brows
 ENSURE_BWRAP ?= sh tests/ensure_package.sh bwrap bubblewrap "the grader's sandbox" \
     "no bwrap (bubblewrap) here: the grader refuses to run without it (or with \
     --unsafe-no-sandbox), and the sandbox tests fail; install bubblewrap"
+# OpenMP's threads spin while they wait for work, by default: a process with a thread per core
+# beside another busy one loses its cores to spinning. Notebook 07's one-process memory run (2
+# threads) took 78 s beside two busy processes and 16 s with waiting threads asleep (PASSIVE),
+# 12 s alone. The lanes below are each other's busy neighbours, and every kernel, pytest
+# process and rank inherits this.
+test: export OMP_WAIT_POLICY = PASSIVE
 test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 	$(VENV)/bin/ruff check zero_lab tests
 	@$(ENSURE_CHROMIUM)
