@@ -2,11 +2,13 @@
 
 Notebooks call `save_figure(fig, "name")`; the file lands in `runs/figures/` (or the folder
 named by $ZERO_LAB_FIGURES_DIR) and `make figures` copies it into the committed `figures/`.
+Widgets show a figure as `png_bytes(fig)` in an ipywidgets Image.
 """
 
 from __future__ import annotations
 
 import contextlib
+import io
 import os
 from pathlib import Path
 
@@ -37,6 +39,16 @@ def save_figure(fig, name: str) -> Path:
             partial.unlink()
         raise
     return path
+
+
+def png_bytes(fig, dpi: int = 100) -> bytes:
+    """`fig` as PNG bytes, the figure closed (an Image widget's value, redrawn whole)."""
+    import matplotlib.pyplot as plt
+
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=dpi)
+    plt.close(fig)
+    return buffer.getvalue()
 
 
 # ---- notebook 01: memory accounting ------------------------------------------------
@@ -414,22 +426,29 @@ def peak_vs_held_figure(sweep, references, unit=2**20, unit_name="MiB", title=No
 # ---- notebook 05: ZeRO stage 3 ------------------------------------------------------
 
 
-def lifecycle_timeline_figure(runs: dict, unit=2**10, unit_name="KiB", title=None):
+def lifecycle_timeline_figure(runs: dict, unit=2**10, unit_name="KiB", title=None,
+                              above_start=False):
     """Bytes alive after every op of one training step: one panel per run.
 
     `runs` maps a panel title to a report of `zero_lab.workers.zero3_lifecycle.measure_step`
-    ("samples", "marks", "held", and for stage 3 "units"). Every panel shares one y-axis
-    from 0, so stage 3's level reads against stage 0's (compare with the dashed line, the
-    model states). The backward pass is shaded; where a stage-3 run gathers a unit, a thin
-    line marks it, named on the first panel u0, u1, ...: units counted in forward order.
+    ("samples", "marks", "held", "start_bytes", and for stage 3 "units"). Every panel shares
+    one y-axis from 0, so stage 3's level reads against stage 0's (compare with the dashed
+    line, the model states). The backward pass is shaded; where a stage-3 run gathers a unit,
+    a thin line marks it, named on the first panel u0, u1, ...: units counted in forward order.
+
+    `above_start=True` draws instead the bytes each step adds above the level it started from
+    (named in the panel's title), each panel on its own y-axis from 0: on one axis from 0 a
+    small model's unit is a few percent of stage 0's level and the sawtooth too faint to see;
+    above the start, one tooth is a large share of its panel.
     """
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(len(runs), 1, figsize=(10, 2.4 * len(runs)), squeeze=False,
-                             sharey=True)
+                             sharey=not above_start)
     named, n_units = False, 0
     for ax, (label, run) in zip(axes[:, 0], runs.items(), strict=True):
-        samples = [b / unit for b in run["samples"]]
+        base = run["start_bytes"] if above_start else 0
+        samples = [(b - base) / unit for b in run["samples"]]
         marks = {text: i for i, text in run["marks"]}
         if "forward done" in marks and "backward done" in marks:
             ax.axvspan(marks["forward done"], marks["backward done"], color="#EEEEEE",
@@ -446,12 +465,16 @@ def lifecycle_timeline_figure(runs: dict, unit=2**10, unit_name="KiB", title=Non
                             ha="center", va="bottom", color=STATE_COLORS["params"])
         named = named or bool(gathers)
         ax.plot(range(len(samples)), samples, color="#333333", lw=1.2, label="alive")
-        ax.axhline(run["held"]["total"] / unit, ls="--", color=STATE_COLORS["optimizer"],
-                   lw=1, label="model states held after backward")
+        ax.axhline((run["held"]["total"] - base) / unit, ls="--",
+                   color=STATE_COLORS["optimizer"], lw=1, label="model states held after backward")
+        if above_start:
+            label = f"{label} (starts at {base / unit:,.0f} {unit_name})"
+            ax.set_ylim(bottom=min(0, *samples))  # each panel its own scale, from its start
         ax.set_title(label, fontsize=10, loc="left", pad=12)
-        ax.set_ylabel(f"{unit_name} alive")
+        ax.set_ylabel(f"{unit_name} above start" if above_start else f"{unit_name} alive")
         ax.set_xlim(0, len(samples) - 1)
-    axes[0, 0].set_ylim(bottom=0)  # shared: every panel from 0
+    if not above_start:
+        axes[0, 0].set_ylim(bottom=0)  # shared: every panel from 0
     fig.legend(*axes[0, 0].get_legend_handles_labels(), loc="lower center", ncol=3, fontsize=8,
                frameon=False)
     units = f"u0-u{n_units - 1}: units 0-{n_units - 1}" if n_units else "u<k>: unit k"

@@ -10,7 +10,6 @@ zero-lab-chart, zero-lab-verdict).
 from __future__ import annotations
 
 import html
-import io
 
 from zero_lab import memory
 from zero_lab.course.formatting import model_size
@@ -197,16 +196,10 @@ def memory_calculator(
 
 def chart_png(state: dict, values: dict) -> bytes:
     """The calculator's bar chart for `state` as PNG bytes."""
-    import matplotlib.pyplot as plt
+    from zero_lab.course.plots import memory_stage_bars, png_bytes
 
-    from zero_lab.course.plots import memory_stage_bars
-
-    fig = memory_stage_bars(
+    return png_bytes(memory_stage_bars(
         state["rows"], state["gpu_bytes"],
         title=f"Ψ = {model_size(values['n_params'])}, N_d = {values['world_size']}, "
         f"sequence {values['seq_len']} x micro-batch {values['micro_batch']}, "
-        f"checkpointing: {values['checkpointing']}")
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=100)
-    plt.close(fig)
-    return buffer.getvalue()
+        f"checkpointing: {values['checkpointing']}"))
