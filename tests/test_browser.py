@@ -235,6 +235,59 @@ def test_a_failing_rank_shows_its_traceback_and_the_kernel_survives(page, server
     assert "kernel still answers: 42" in _text(page, 1)
 
 
+def test_a_question_commits_and_the_step_view_steps_through_recorded_ranks(page, server):
+    """Issue 50's two widgets in a real page: a predict-then-observe question (Commit locks
+    the pick; the reveal prints it beside the measured answer) and the step view over a
+    2-rank launch's records (Next redraws the phase)."""
+    scratch = OUT / "questions_and_step_view.ipynb"
+    nb = nbformat.v4.new_notebook(metadata={"kernelspec": {
+        "name": "python3", "display_name": "Python 3", "language": "python"}})
+    nb.cells = [
+        nbformat.v4.new_code_cell(
+            "from zero_lab.course.questions import ask\n"
+            "q = ask('Per step, ZeRO-1 sends ...', ['less than DDP', 'the same as DDP'])"),
+        nbformat.v4.new_code_cell(
+            "from zero_lab.course.step_view import step_view\n"
+            "from zero_lab.launch import torchrun\n"
+            "from zero_lab.launch.paths import WORKERS\n"
+            "steps = torchrun(WORKERS / 'step_record.py', nproc=2, backend='gloo',\n"
+            "                 stream=False).ranks\n"
+            "view = step_view(steps, 'stage1')\n"
+            "display(view)"),
+        nbformat.v4.new_code_cell(
+            "sent = {s: sum(p['message']['sent'] for p in steps[0]['systems'][s] "
+            "if p['message'])\n        for s in ('ddp', 'stage1')}\n"
+            "q.reveal('the same as DDP' if sent['stage1'] == sent['ddp'] else 'less than DDP',\n"
+            "         why='a reduce-scatter and an all-gather send what one all-reduce does')"),
+    ]
+    nbformat.write(nb, scratch)
+    lab.open_notebook(page, server.url(scratch.relative_to(ROOT).as_posix()))
+    lab.run_cell(page, 0)
+    question = page.locator(".zero-lab-question")
+    question.get_by_text("the same as DDP").click()
+    question.locator(".zero-lab-commit").click()
+    page.locator(".zero-lab-committed").wait_for(timeout=10_000)
+    assert "committed: the same as DDP" in question.inner_text()
+
+    lab.run_cell(page, 1, timeout_s=90)
+    title, image = page.locator(".zero-lab-step-title"), page.locator("img.zero-lab-step-image")
+    assert "ZeRO-1, phase 1: backward" in title.inner_text()
+    first = image.get_attribute("src")
+    page.locator(".zero-lab-step-next").click()
+    page.wait_for_function("(s) => !document.querySelector('.zero-lab-step-title')"
+                           ".innerText.includes(s)", arg="phase 1:", timeout=20_000)
+    assert "phase 2: reduce-scatter the gradient" in title.inner_text()
+    page.wait_for_function("(s) => document.querySelector('img.zero-lab-step-image').src != s",
+                           arg=first, timeout=20_000)
+    assert lab.pixel_variance(image) > MIN_CHART_VARIANCE, "the step view's picture is blank"
+    page.locator(lab.CELLS).nth(1).screenshot(path=str(OUT / "step_view.png"))
+
+    lab.run_cell(page, 2)
+    shown = _text(page, 2)
+    assert "your prediction: the same as DDP · measured: the same as DDP · right" in shown, shown
+    assert lab.error_outputs(page) == []
+
+
 def test_nothing_started_by_the_browser_test_is_left(server):
     """Runs last: stops the server here (teardown would too) so a leftover fails a test."""
     assert server.stop() == []

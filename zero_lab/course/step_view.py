@@ -10,7 +10,8 @@ puts a system's phases side by side; `step_view` steps through them with buttons
 system picker, Previous / Next), the model of notebook 02's ring figure, on recorded data.
 
 tests/test_step_view.py checks the grids against the records; tests/test_browser.py clicks
-Next in a real page through the CSS classes (zero-lab-step-next, zero-lab-step-title).
+Next in a real page through the CSS classes (zero-lab-step-next, zero-lab-step-title,
+zero-lab-step-image).
 """
 
 from __future__ import annotations
@@ -104,13 +105,14 @@ def _draw(ax, records: list[dict], system: str, phase: int, labels: bool = True)
         side.set_visible(False)
 
 
-def phase_figure(records: list[dict], system: str, phase: int):
-    """One phase of one system: every rank's three buffers."""
+def phase_figure(records: list[dict], system: str, phase: int, titled: bool = True):
+    """One phase of one system: every rank's three buffers (`titled`: what the phase did)."""
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(9, 1.0 + 0.62 * 3 * len(records)))
     _draw(ax, records, system, phase)
-    ax.set_title(_title(records, system, phase), fontsize=9, loc="left")
+    if titled:
+        ax.set_title(_title(records, system, phase), fontsize=9, loc="left")
     fig.text(0.01, 0.005, KEY, fontsize=7, color="#555555")
     fig.tight_layout(rect=(0, 0.03, 1, 1))
     return fig
@@ -150,6 +152,7 @@ def step_view(records: list[dict], system: str = "stage1"):
     title = w.HTML()
     title.add_class("zero-lab-step-title")
     image = w.Image(format="png", layout=w.Layout(width="820px"))
+    image.add_class("zero-lab-step-image")
     at = {"phase": 0}
 
     def draw(_=None):
@@ -157,7 +160,8 @@ def step_view(records: list[dict], system: str = "stage1"):
         at["phase"] = min(max(at["phase"], 0), count - 1)
         back.disabled, forward.disabled = at["phase"] == 0, at["phase"] == count - 1
         title.value = "<br>".join(_title(records, picker.value, at["phase"]).split("\n"))
-        image.value = png_bytes(phase_figure(records, picker.value, at["phase"]))
+        # the title is the HTML line beside the buttons
+        image.value = png_bytes(phase_figure(records, picker.value, at["phase"], titled=False))
 
     def step(by):
         def click(_):
