@@ -60,13 +60,16 @@ def _numel(net: nn.Module) -> int:
     return sum(p.numel() for p in net.parameters())
 
 
+_GROUP = None  # gloo's world, or a gloo group beside NCCL's: these are CPU tensors
+
+
 def _sent(collective, *args, **kwargs) -> dict:
     """Run `collective(*args, **kwargs)` under a CommLedger: its op and the bytes this rank
     sent."""
     from zero_lab.collectives import CommLedger
 
     with CommLedger() as ledger:
-        collective(*args, **kwargs)
+        collective(*args, group=_GROUP, **kwargs)
     (op,) = {r.op for r in ledger.records}
     return {"op": op, "sent": int(ledger.total_bytes())}
 
@@ -163,6 +166,9 @@ def _run(system: str, rank: int, n: int) -> tuple[list[dict], list[float]]:
 
 def record(rank: int, world: int) -> dict:
     """This rank's record of one step of every system (see the module's docstring)."""
+    global _GROUP
+    if dist.get_backend() != "gloo" and _GROUP is None:  # NCCL's world takes no CPU tensors
+        _GROUP = dist.new_group(backend="gloo")
     numel = _numel(model())
     out = {"numel": numel, "padded": -(-numel // world) * world, "world_size": world,
            "systems": {}, "final_params": {}}

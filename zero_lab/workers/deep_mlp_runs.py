@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from zero_lab.collectives import CommLedger, exchange
 from zero_lab.course.seed_blog import BlogZero
+from zero_lab.course.step_record import record
 from zero_lab.course.workloads import deep_mlp, mlp_batch, mse_loss, rank_slice, train
 from zero_lab.launch import init_worker, report
 from zero_lab.plain import stage0, stage1, stage2, stage3
@@ -53,6 +54,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=6)  # training steps per run
     parser.add_argument("--runs", default='{"stage 0": {"stage": 0}, "stage 1": {"stage": 1}}',
                         help="JSON {label: shard() options, or {\"blog\": 1 or 2}}")
+    parser.add_argument("--step-record", action="store_true",
+                        help="also one step of DDP and stages 1-3 on 13 parameters, phase by "
+                        "phase (zero_lab/course/step_record.py), for the step view")
     parser.add_argument("--time-collectives", action="store_true",
                         help="also profile one reduce-scatter and time three reductions")
     return parser.parse_args()
@@ -194,6 +198,8 @@ def main() -> None:
     out = {"runs": results, "n_params": sum(sizes), "largest_param": max(sizes)}
     if args.time_collectives:
         out.update(time_collectives(sum(sizes), info.world_size, info.device))
+    if args.step_record:
+        out["step_record"] = record(info.rank, info.world_size)
     report(out)
 
 

@@ -70,6 +70,9 @@ def main() -> None:
     parser.add_argument("--width", type=int, default=256, help="d of Linear(d, d)")
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--batch", type=int, default=8, help="rows per rank")
+    parser.add_argument("--step-record", action="store_true",
+                        help="also one step of DDP and stages 1-3 on 13 parameters, phase by "
+                        "phase (zero_lab/course/step_record.py), for the step view")
     args = parser.parse_args()
     info = init_worker()
     rank, n, device = info.rank, info.world_size, info.device
@@ -91,6 +94,10 @@ def main() -> None:
     torch.manual_seed(0)
     out["activations"] = activation_bytes(mlp(), *batches()[-1], device)
     out["plain"] = plain_beside_real(mlp, batches(), device)
+    if args.step_record:
+        from zero_lab.course.step_record import record
+
+        out["step_record"] = record(rank, n)
     report(out)
 
 
