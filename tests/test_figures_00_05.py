@@ -79,3 +79,21 @@ def test_lifecycle_panels_share_one_y_axis_from_zero_and_count_units_from_zero()
         assert "u0-u5" in axes[-1].get_xlabel()
     finally:
         plt.close(fig)
+
+
+def test_lifecycle_above_start_makes_one_tooth_a_large_share_of_its_panel():
+    """Notebook 05's sawtooth: on one axis from zero a 300-byte tooth over a 1,000-byte start
+    is faint; drawn above the start, each panel on its own axis, the tooth is most of it.
+    Mutant: `base` left at 0 with above_start (the tooth stays under a quarter of the scale)."""
+    stage3 = {**_run([1000 + 300 * (i % 3) for i in range(30)]), "start_bytes": 1000}
+    stage0 = {**_run([9000 + 10 * (i % 2) for i in range(30)]), "start_bytes": 9000}
+    fig = plots.lifecycle_timeline_figure({"stage 3": stage3, "stage 0": stage0}, unit=1,
+                                          unit_name="B", above_start=True)
+    try:
+        axes = [ax for ax in fig.axes if ax.get_title(loc="left")]
+        bottom, top = axes[0].get_ylim()
+        assert 600 / (top - bottom) >= 0.2  # the tooth (0 to 600 bytes) against its scale
+        assert "(starts at 1,000 B)" in axes[0].get_title(loc="left")
+        assert axes[0].get_ylim() != axes[1].get_ylim()  # each panel its own scale
+    finally:
+        plt.close(fig)

@@ -6,7 +6,8 @@ reduce-scatter is a real one. But torch 2.13's gloo backend (CPU) implements
 `reduce_scatter_single` as a clone of the whole input, a full all-reduce and a copy of the
 wanted slice: it sends *more* than the all-reduce it should halve. Measured on a 2-core
 laptop, 2 ranks, 24 MiB of fp32: all-reduce 18 ms, torch's reduce-scatter 27 ms, the direct
-exchange below 9.5 ms (best of 15; notebook 03 and `make bench` time it too).
+exchange below 9.5 ms (best of 15; `make bench` times it too, and notebook 03 checks what the
+profiler names a gloo reduce-scatter).
 
 So on gloo the stages send the bytes themselves (`zero_lab.stages.partition` picks the transport):
 

@@ -465,8 +465,9 @@ def lifecycle_timeline_figure(runs: dict, unit=2**10, unit_name="KiB", title=Non
                             ha="center", va="bottom", color=STATE_COLORS["params"])
         named = named or bool(gathers)
         ax.plot(range(len(samples)), samples, color="#333333", lw=1.2, label="alive")
+        held = "held after backward" if above_start else "model states held after backward"
         ax.axhline((run["held"]["total"] - base) / unit, ls="--",
-                   color=STATE_COLORS["optimizer"], lw=1, label="model states held after backward")
+                   color=STATE_COLORS["optimizer"], lw=1, label=held)
         if above_start:
             label = f"{label} (starts at {base / unit:,.0f} {unit_name})"
             ax.set_ylim(bottom=min(0, *samples))  # each panel its own scale, from its start

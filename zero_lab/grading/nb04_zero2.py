@@ -100,8 +100,8 @@ def judge_bucket_hook(name: str, reports: list[dict], seed: int | None = None,
             if blown_up:
                 fail(name, f"{where}: a reduce-scatter's input was {blown_up[0]} "
                            f"bytes, {n} times the bucket",
-                     "you concatenated N copies of the gradient (the ZeRO blog post's "
-                     "'reduce-scatter'): that sends N times the bytes and briefly holds N "
+                     "you concatenated N copies of the gradient (a common 'reduce-scatter' "
+                     "built by hand): that sends N times the bytes and briefly holds N "
                      "copies in memory. Reduce-scatter the bucket's flat buffer itself: each "
                      "rank contributes its own full gradient, and receives its slice")
             calls = len(expected_sizes) * case.backwards
@@ -121,7 +121,7 @@ def judge_bucket_hook(name: str, reports: list[dict], seed: int | None = None,
                 fail(name, f"{where}: after backward {kept} of {params} parameters still "
                            f"hold a full .grad ({kept_bytes} bytes)",
                      "set param.grad = None once it is copied into the bucket. Returning "
-                     "None from a hook discards nothing (the ZeRO blog post's mistake): a hook's "
+                     "None from a hook discards nothing (a common mistake): a hook's "
                      "return value None means 'leave the gradient as it is'. The kept "
                      "gradient also spoils accumulation: the next backward adds to it, so "
                      "the bucket receives the earlier gradient twice")

@@ -186,7 +186,7 @@ def _judge_unit(name: str, where: str, case: UnitCase, n: int, rank: int, r: dic
     freed = int(r["freed_bytes"])
     if freed:
         fail(name, f"{where}: after release unit.full still holds {freed} bytes",
-             "rebinding p.data alone frees nothing (the ZeRO blog post's release): "
+             "rebinding p.data alone frees nothing (a common way to release): "
              "autograd still references the full tensors. Free the storage itself: "
              "free_storage(unit.full)")
 
@@ -270,8 +270,8 @@ def _judge_call(name: str, where: str, case: UnitCase, n: int, rank: int, i: int
         detail = (f"{where}: unit.grad differs from this rank's slice of the averaged gradient"
                   + first_values_differ(slices["mean"][:3], shown))
         if any(c["op"] == "all_reduce" and c["nbytes"] == shard_bytes for c in comm):
-            hint = ("each rank all-reduced ITS OWN chunk of its gradient (the seed "
-                    "blog's ZeRO-3 bug): rank 0's chunk 0 was summed with rank 1's "
+            hint = ("each rank all-reduced ITS OWN chunk of its gradient (a common "
+                    "ZeRO-3 bug): rank 0's chunk 0 was summed with rank 1's "
                     "chunk 1, slices of different parameters. A reduce-scatter "
                     "sums chunk r of every rank and hands it to rank r")
         elif fits and _close(got, slices["summed"]):
