@@ -72,7 +72,11 @@ NOTEBOOK_TESTS := tests/test_nb10_at_work.py
 RANK_GRADING_TESTS := tests/test_grade_batch_ranks.py tests/test_grading_sandbox_ranks.py \
     tests/test_grading_forged.py \
     tests/test_grading_seeds.py
-BESIDE_NBVAL := $(BROWSER_TESTS) $(WAITING_TESTS) $(NOTEBOOK_TESTS) $(RANK_GRADING_TESTS)
+# At 9b079a9 (OMP_WAIT_POLICY=PASSIVE below) pytest took 644 s beside nbval's 590 s: the
+# practice script's test (~25 s) moves over too.
+PRACTICE_TESTS := tests/test_fsdp2_script.py
+BESIDE_NBVAL := $(BROWSER_TESTS) $(WAITING_TESTS) $(NOTEBOOK_TESTS) $(RANK_GRADING_TESTS) \
+    $(PRACTICE_TESTS)
 
 # pytest and nbval run at the same time, one process each: nbval's work fills the cores while
 # pytest waits on launches and timeouts, instead of starting after it. The browser test runs
