@@ -75,8 +75,8 @@ def _sent(collective, *args, **kwargs) -> dict:
 
 
 class _Recorder:
-    def __init__(self, padded: int) -> None:
-        self.padded, self.phases = padded, []
+    def __init__(self) -> None:
+        self.phases = []
 
     def note(self, name, params, grads, grad_kind, state, message=None, owned=None):
         """`params`/`grads`/`state`: full-length tensors with NaN where not held."""
@@ -104,7 +104,7 @@ def _run(system: str, rank: int, n: int) -> tuple[list[dict], list[float]]:
     # Adam on what this rank steps: everything (DDP) or its slice (ZeRO).
     mine = nn.Parameter(params[lo:hi].clone() if sharded else params.clone())
     opt = torch.optim.Adam([mine], lr=LR)
-    rec = _Recorder(padded)
+    rec = _Recorder()
     for step in (0, 1):  # step 0 warms Adam's states up; step 1 is recorded
         note = rec.note if step == 1 else (lambda *a, **k: None)
 
