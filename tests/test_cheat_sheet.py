@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from zero_lab import memory
-from zero_lab.course import cheat_sheet, decision_plot
+from zero_lab.course import cheat_sheet, decision_plot, glossary_links, models
 from zero_lab.predict import micro_batches
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -44,6 +44,7 @@ def headwords(text: str) -> set[str]:
     """The bold terms that open a glossary entry ('- **rank** / **world size**: ...')."""
     found = set()
     for line in text.splitlines():
+        line = re.sub(r'^- <a id="[\w-]+"></a>', "- ", line)  # the entry's anchor
         if line.startswith("- **"):
             head = line.split(":", 1)[0] if "**:" in line else line
             found |= {t.strip().casefold() for t in re.findall(r"\*\*(.+?)\*\*", head)}
@@ -69,7 +70,9 @@ def test_the_page_shows_the_courses_numbers():
     page = cheat_sheet.render()
     assert "| 1 | 2Ψ + 2Ψ + 12Ψ/N = 4Ψ + 12Ψ/N | 2Ψ |" in page
     assert "| 3 | 2Ψ/N + 2Ψ/N + 12Ψ/N = 16Ψ/N | 3Ψ |" in page
-    assert f"{memory.model_state_bytes(7e9, 3, 8)['total'] / memory.GiB:.1f} GiB" in page
+    # the worked example: the course's Llama 3.1 8B on 8 GPUs
+    assert "| Llama 3.1 8B on 8 GPUs |" in page
+    assert f"{memory.model_state_bytes(models.PSI_8B, 3, 8)['total'] / memory.GiB:.1f} GiB" in page
     # three heads: five stages, the accumulation rows, the knobs
     assert page.count("\n| ") == 2 + 5 + 2 + len(micro_batches.HOW) + 2 + len(cheat_sheet.KNOBS)
 
@@ -80,7 +83,7 @@ def test_the_page_gives_the_accumulation_aware_rule_and_links_the_figure():
     page = cheat_sheet.render()
     assert "| 2 | (k+1)Ψ | 9Ψ |" in page and "| 1 | 2Ψ | 2Ψ |" in page
     assert "at k = 8 stage 2 sends 4.5x stage 1's" in page
-    assert "stage 2 at k = 1, stage 1 at k = 8" in page
+    assert "(Llama 3.1 8B on 8 x 80 GiB GPUs: stage 2 at k = 1, stage 1 at k = 8)" in page
     link = f"](../../figures/{decision_plot.NAME}.png)"
     assert link in page
     assert (ROOT / "figures" / f"{decision_plot.NAME}.png").is_file()
@@ -146,13 +149,45 @@ def test_a_deleted_entry_is_caught():
     """Mutant: the glossary without its 'bucket' and 'Ψ' lines."""
     markdown = "\n".join(notebook_markdown(p) for p in NOTEBOOKS)
     glossary = "\n".join(line for line in GLOSSARY.read_text(encoding="utf-8").splitlines()
-                         if not line.startswith(("- **bucket**", "- **Ψ**")))
+                         if not re.match(r'- <a id="(bucket|psi)">', line))
     assert missing_terms(glossary, TERMS, SYMBOLS, markdown) == ["bucket", "Ψ"]
 
 
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
 def test_every_notebook_links_to_the_glossary(path):
     assert "](../zero_lab/practice/glossary.md)" in notebook_markdown(path)
+
+
+def test_every_glossary_entry_has_an_anchor():
+    lines = [ln for ln in GLOSSARY.read_text(encoding="utf-8").splitlines() if ln.startswith("- ")]
+    assert [ln[:40] for ln in lines if not glossary_links.ENTRY.match(ln)] == []
+    # Ψ's, K's, N_d's and α-β's entries name symbols, which sit in formulas: never linked
+    assert len(set(glossary_links.entries().values())) == len(lines) - 4
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_each_term_links_to_its_entry_where_the_notebook_first_uses_it(path):
+    assert glossary_links.link_notebook(path, glossary_links.entries())[1] is False, (
+        f"{path.name} uses a glossary term with no link: python -m zero_lab.course.glossary_links")
+
+
+def test_the_link_goes_to_the_first_use_outside_code_and_headings():
+    """Mutants: a notebook's link to 'bucket' removed (it is put back at the first use); a
+    term linked inside a heading or code span; a second use linked again."""
+    target = "../zero_lab/practice/glossary.md#bucket"
+    cells = ["## One bucket", "A `bucket` in code, then Buckets in prose.", "A bucket again."]
+    linked = glossary_links.link_cells(cells, {"bucket": "bucket"})
+    assert linked == ["## One bucket", f"A `bucket` in code, then [Buckets]({target}) in prose.",
+                      "A bucket again."]
+    assert glossary_links.link_cells(linked, {"bucket": "bucket"}) == linked
+    assert glossary_links.link_cells(["NCCL and nccl"], {"NCCL": "gloo"}) == [
+        "[NCCL](../zero_lab/practice/glossary.md#gloo) and nccl"]
+    path = NOTEBOOKS[4]  # 04_zero2: its first 'bucket' is a link
+    nb = json.loads(path.read_text(encoding="utf-8"))
+    prose = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    unlinked = [re.sub(rf"\[([^\]]*)\]\({re.escape(target)}\)", r"\1", c) for c in prose]
+    assert unlinked != prose
+    assert glossary_links.link_cells(unlinked, glossary_links.entries()) != unlinked
 
 
 def test_the_pages_link_each_other():

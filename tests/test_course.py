@@ -256,7 +256,7 @@ def test_make_figures_copies_from_the_run_it_made(course_dirs, monkeypatch):
               "(figures_dir() / 'made_here.png').write_bytes(b'png')")
     course.main(["figures", "--nproc", "1", "--backend", "gloo"])
     assert sorted(p.name for p in (course_dirs / "committed_figures").iterdir()) == [
-        "made_here.png"]
+        "SOURCES.json", "made_here.png"]  # SOURCES.json: what drew each (figure_sources.py)
 
 
 def test_only_that_matches_nothing_is_an_error(course_dirs):

@@ -158,54 +158,65 @@ def test_sharded_step_rejects_all_reduce_then_slice(judge):
 # ------------------------------------------------------------------ bucketed gradient hook
 
 
-def on_grad_ready(param, bucket):
-    if bucket.full is None:
-        bucket.full = bucket.group.new_full()
-    bucket.group.views(bucket.full)[bucket.index(param)].copy_(param.grad)
+def on_grad_ready(param, slot, bucket):
+    slot.copy_(param.grad)
     param.grad = None
     bucket.arrived += 1
-    if bucket.arrived == len(bucket.group.params):
-        owned = bucket.group.new_shard()
-        dist.reduce_scatter_single(owned, bucket.full, op=dist.ReduceOp.AVG)
-        bucket.owned_grad += owned
-        bucket.full = None
-        bucket.arrived = 0
+    if bucket.arrived == len(bucket):
+        mine = torch.empty_like(bucket.owned_grad)
+        dist.reduce_scatter_single(mine, bucket.grad, op=dist.ReduceOp.AVG)
+        bucket.owned_grad += mine
+        bucket.grad = None
 
 
-def on_grad_ready_stub(param, bucket):
+def on_grad_ready_stub(param, slot, bucket):
     raise NotImplementedError("exercise: replace this line with your solution")
 
 
-def on_grad_ready_n_copies(param, bucket):
-    # The seed blog's "reduce-scatter": N copies of the gradient concatenated as input.
-    if bucket.full is None:
-        bucket.full = bucket.group.new_full()
-    bucket.group.views(bucket.full)[bucket.index(param)].copy_(param.grad)
+def on_grad_ready_n_copies(param, slot, bucket):
+    # A common "reduce-scatter": N copies of the gradient concatenated as input.
+    slot.copy_(param.grad)
     param.grad = None
     bucket.arrived += 1
-    if bucket.arrived == len(bucket.group.params):
-        n = dist.get_world_size()
-        averaged = torch.empty_like(bucket.full)
-        dist.reduce_scatter_single(averaged, torch.cat([bucket.full] * n),
+    if bucket.arrived == len(bucket):
+        n, r, s = dist.get_world_size(), dist.get_rank(), bucket.owned_grad.numel()
+        averaged = torch.empty_like(bucket.grad)
+        dist.reduce_scatter_single(averaged, torch.cat([bucket.grad] * n),
                                    op=dist.ReduceOp.AVG)
-        bucket.owned_grad += bucket.group.shard(averaged)
-        bucket.full = None
-        bucket.arrived = 0
+        bucket.owned_grad += averaged[r * s:(r + 1) * s]
+        bucket.grad = None
 
 
-def on_grad_ready_returns_none(param, bucket):
+def on_grad_ready_returns_none(param, slot, bucket):
     # Right values, but "discards" the full gradient by returning None, which keeps it.
-    if bucket.full is None:
-        bucket.full = bucket.group.new_full()
-    bucket.group.views(bucket.full)[bucket.index(param)].copy_(param.grad)
+    slot.copy_(param.grad)
     bucket.arrived += 1
-    if bucket.arrived == len(bucket.group.params):
-        owned = bucket.group.new_shard()
-        dist.reduce_scatter_single(owned, bucket.full, op=dist.ReduceOp.AVG)
-        bucket.owned_grad += owned
-        bucket.full = None
-        bucket.arrived = 0
+    if bucket.arrived == len(bucket):
+        mine = torch.empty_like(bucket.owned_grad)
+        dist.reduce_scatter_single(mine, bucket.grad, op=dist.ReduceOp.AVG)
+        bucket.owned_grad += mine
+        bucket.grad = None
     return None
+
+
+def on_grad_ready_sends_every_arrival(param, slot, bucket):
+    # Sent at every gradient's arrival, not once the bucket is complete.
+    slot.copy_(param.grad)
+    param.grad = None
+    mine = torch.empty_like(bucket.owned_grad)
+    dist.reduce_scatter_single(mine, bucket.grad, op=dist.ReduceOp.AVG)
+    bucket.owned_grad += mine
+
+
+def on_grad_ready_keeps_the_bucket(param, slot, bucket):
+    # Right values and one reduce-scatter a bucket, but the flat gradient is never freed.
+    slot.copy_(param.grad)
+    param.grad = None
+    bucket.arrived += 1
+    if bucket.arrived == len(bucket):
+        mine = torch.empty_like(bucket.owned_grad)
+        dist.reduce_scatter_single(mine, bucket.grad, op=dist.ReduceOp.AVG)
+        bucket.owned_grad += mine
 
 
 def test_bucket_hook_accepts_the_reference(judge, capsys):
@@ -230,6 +241,18 @@ def test_bucket_hook_rejects_returning_none_to_discard(judge):
     assert "Returning None from a hook discards nothing" in str(err.value)
 
 
+def test_bucket_hook_rejects_a_send_before_the_bucket_is_complete(judge):
+    with pytest.raises(ExerciseFailed, match="one reduce_scatter per bucket per backward") as err:
+        judge("bucket_hook", on_grad_ready_sends_every_arrival)
+    assert "bucket.arrived == len(bucket)" in str(err.value)
+
+
+def test_bucket_hook_rejects_a_bucket_never_freed(judge):
+    with pytest.raises(ExerciseFailed, match=r"still hold their flat gradient") as err:
+        judge("bucket_hook", on_grad_ready_keeps_the_bucket)
+    assert "set bucket.grad = None" in str(err.value)
+
+
 def test_checks_refuse_a_lambda():
     with pytest.raises(ExerciseFailed, match="not a lambda"):
         grading.check_owned_range(lambda numel, world_size, rank: (0, numel))
@@ -238,21 +261,18 @@ def test_checks_refuse_a_lambda():
 # ------------------------------------------------------------------ integrity
 
 
-def on_grad_ready_summed_cheat(param, bucket):
+def on_grad_ready_summed_cheat(param, slot, bucket):
     # Summed, not averaged, and every comparison a rank-side check could use switched off.
     torch.allclose = lambda *a, **k: True
     torch.equal = lambda *a, **k: True
-    if bucket.full is None:
-        bucket.full = bucket.group.new_full()
-    bucket.group.views(bucket.full)[bucket.index(param)].copy_(param.grad)
+    slot.copy_(param.grad)
     param.grad = None
     bucket.arrived += 1
-    if bucket.arrived == len(bucket.group.params):
-        owned = bucket.group.new_shard()
-        dist.reduce_scatter_single(owned, bucket.full)  # SUM
-        bucket.owned_grad += owned
-        bucket.full = None
-        bucket.arrived = 0
+    if bucket.arrived == len(bucket):
+        mine = torch.empty_like(bucket.owned_grad)
+        dist.reduce_scatter_single(mine, bucket.grad)  # SUM
+        bucket.owned_grad += mine
+        bucket.grad = None
 
 
 def sharded_step_summed_cheat(flat_param, flat_grad, shard_param, optimizer):
@@ -367,6 +387,8 @@ RUNS = [
     ("bucket_hook", on_grad_ready),
     ("bucket_hook", on_grad_ready_n_copies),
     ("bucket_hook", on_grad_ready_returns_none),
+    ("bucket_hook", on_grad_ready_sends_every_arrival),
+    ("bucket_hook", on_grad_ready_keeps_the_bucket),
     # Last: they change torch itself on the ranks, for every run after them in the launch.
     ("sharded_step", sharded_step_summed_cheat),
     ("bucket_hook", on_grad_ready_summed_cheat),

@@ -23,7 +23,8 @@ PACKAGE = ROOT / "zero_lab"
 PARENT_ONLY = ("zero_lab.grading", "zero_lab.course.bench", "zero_lab.course.plots",
                "zero_lab.course.trace_plots", "zero_lab.course.scaling_plots",
                "zero_lab.course.knob_plots", "zero_lab.course.layout_plots",
-               "zero_lab.course.step_view",
+               "zero_lab.course.step_view", "zero_lab.course.glossary_links",
+               "zero_lab.course.figure_sources",
                "zero_lab.course.runner", "zero_lab.course.__main__", "zero_lab.course.soak",
                "zero_lab.course.widgets", "zero_lab.course.gpu_check")
 RANK_SIDE = "zero_lab.workers"

@@ -91,6 +91,17 @@ def test_peak_floor_check():
     for mutant in (no_prefetch, leaked):
         with pytest.raises(AssertionError, match="units above its states"):
             checks.check_peak_floor(mutant, unit)
+    # the course MLP: a 4 MiB unit is one optimizer chunk, and stage 0 peaks at Adam's two
+    # temporaries of a chunk, two units; a check that forgot them, or a leak, fails
+    from zero_lab.stages.sharded_optimizer import OPTIMIZER_CHUNK
+
+    unit, chunks = 4 * (1024 * 1024 + 1024), 2 * 4 * OPTIMIZER_CHUNK
+    measured = {**{s: u * unit for s, u in projection.FLOOR_UNITS.items()}, 0: chunks}
+    assert checks.check_peak_floor(measured, unit, optimizer_bytes=chunks)[0] == chunks / unit
+    with pytest.raises(AssertionError, match="stage 0"):
+        checks.check_peak_floor(measured, unit)
+    with pytest.raises(AssertionError, match="Adam chunk temporaries"):
+        checks.check_peak_floor({**measured, 0: chunks + unit}, unit, optimizer_bytes=chunks)
 
 
 def test_activations_checks():

@@ -8,8 +8,8 @@ b. The torchtitan comparison: the published run's GPU (96 GB, 500 W) and peak (8
    what the 25% band tests (the FLOP count and the assumed MFU together). Every number the
    prose states is the projection's, computed here.
 c. "On GPUs with NCCL the model's assumptions hold far better" was never measured.
-d. "On 8 GPUs nothing fits" for 70B: tensor parallelism inside the node is no answer there
-   (16Ψ/N of states, 1,043 GiB on 640 GiB); the prose says so with recommend's numbers.
+d. "On 8 GPUs nothing fits" for Llama 3 70B: tensor parallelism inside the node is no answer
+   there (16Ψ/N of states, 1,051 GiB on 640 GiB); the prose says so with recommend's numbers.
 """
 
 from __future__ import annotations
@@ -45,10 +45,11 @@ def cell_with(text: str) -> str:
 
 def llama_8b_projection() -> dict:
     """The notebook's torchtitan cell, computed here: gap, FLOPs, recompute shares."""
+    from zero_lab.course import models
     from zero_lab.grading.nb07_scaling import TORCHTITAN_8B_TOKENS_PER_S
     from zero_lab.predict import projection
 
-    shape = projection.LLAMA3_8B
+    shape = models.LLAMA3_8B
     L, h, ffn, vocab, kv = (shape[k] for k in ("n_layers", "hidden", "ffn_hidden", "vocab",
                                                 "kv_heads"))
     layer = 2 * h * h + 2 * h * (h // shape["heads"] * kv) + 3 * h * ffn + 2 * h
@@ -136,12 +137,12 @@ def test_no_unmeasured_claim_about_gpus():
 # ----------------------------------------------------------------- d. tensor parallelism, honestly
 
 def test_nothing_fits_on_8_gpus_says_tensor_parallelism_cannot_shrink_the_states():
-    from zero_lab.course import decision_plot
+    from zero_lab.course import decision_plot, models
 
     text = cell_with("On 8 GPUs nothing fits")
     sentence = text[text.index("On 8 GPUs nothing fits"):].split(". ")[0]
     assert "tensor parallelism" in sentence and "cannot" in sentence, sentence
-    reason = decision_plot.gpt_recommendation(70e9, 8).reason
+    reason = decision_plot.gpt_recommendation(models.PSI_70B, 8).reason
     per_gpu = float(re.search(r"([\d.]+) GiB a GPU at 16Ψ/N", reason).group(1))
     total, room = (float(x) for x in re.search(
         r"\(([\d.]+) GiB of states on 8 x 80.0 GiB = ([\d.]+) GiB\)", reason).groups())

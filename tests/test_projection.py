@@ -10,6 +10,7 @@ import pytest
 from zero_lab import memory
 from zero_lab.collectives.timing import AlphaBeta, AlphaBetaModel
 from zero_lab.collectives.volume import ring_bytes_sent, ring_steps
+from zero_lab.course import models
 from zero_lab.predict import links as interconnect
 from zero_lab.predict import projection
 from zero_lab.predict.projection import Link, collective_time, project_step, recommend
@@ -439,8 +440,10 @@ def _ranks_by_stepping(n_params, gpu_bytes, world_size, link, rows, precision, o
 
 def _nb07_scenario(n_params, gpus, attention="fused", reserve_fraction=projection.RESERVE_FRACTION,
                    extra_acts=0.0, checkpointed=True):
-    """Notebook 07's decision-table call (and grading's / test_nb07_checks' variants)."""
-    shape = memory.gpt_shape(n_params)
+    """Notebook 07's decision-table call (and grading's / test_nb07_checks' variants): Llama
+    3.1 8B and Llama 3 70B on their published shapes, other sizes on a guessed GPT shape."""
+    shape = {models.PSI_8B: models.LLAMA3_8B,
+             models.PSI_70B: models.LLAMA3_70B}.get(n_params) or memory.gpt_shape(n_params)
     acts = memory.activation_bytes(shape["n_layers"], 4096, 4, shape["hidden"], shape["heads"],
                                    checkpointing="full", attention=attention) + extra_acts
     return dict(n_params=n_params, gpu_bytes=80 * GiB, world_size=gpus, link="dgx_h100",
@@ -450,10 +453,11 @@ def _nb07_scenario(n_params, gpus, attention="fused", reserve_fraction=projectio
 
 
 def _inputs_notebook_07_and_its_tests_use() -> list[dict]:
-    calls = [_nb07_scenario(n, g, attention) for n in (1.3e9, 7e9, 13e9, 70e9)
+    at_scale = (models.PSI_8B, models.PSI_70B)  # the models notebook 07's table prices
+    calls = [_nb07_scenario(n, g, attention) for n in (1.3e9, 7e9, 13e9, 70e9, *at_scale)
              for g in (8, 64) for attention in ("fused", "unfused")]
     calls += [_nb07_scenario(n, g, reserve_fraction=r, extra_acts=extra, checkpointed=c)
-              for n in (7e9, 70e9) for g in (8, 32, 64) for r in (0.0, 0.1)
+              for n in (7e9, 70e9, *at_scale) for g in (8, 32, 64) for r in (0.0, 0.1)
               for extra in (0.0, 20 * GiB, 60 * GiB) for c in (True, False)]
     calls += [dict(n_params=125e6, gpu_bytes=80 * GiB, world_size=8, link="nvlink4",
                    compute_s=0.1),
@@ -466,7 +470,7 @@ def _inputs_notebook_07_and_its_tests_use() -> list[dict]:
               dict(n_params=PSI_7B, gpu_bytes=16 * GiB, world_size=16, link="infiniband_ndr",
                    compute_s=COMPUTE_7B, overlap=0.0)]
     ranks = [8, 16, 24, 40, 56, 72, 64 * 8]  # 70B on whole DGX nodes around the answer
-    calls += [_nb07_scenario(70e9, g) for g in ranks]
+    calls += [_nb07_scenario(n, g) for n in (70e9, models.PSI_70B) for g in ranks]
     return calls
 
 

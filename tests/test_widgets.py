@@ -8,7 +8,7 @@ import matplotlib.pyplot as plt
 import pytest
 
 from zero_lab import memory
-from zero_lab.course import plots, widgets
+from zero_lab.course import models, plots, widgets
 
 GiB = 2**30
 
@@ -29,9 +29,28 @@ def test_stage_rows_model_states_match_memory_and_activations_are_shared():
         assert row["total"] == states["total"] + act
 
 
+def test_the_at_scale_models_are_offered_by_name_with_their_published_shapes():
+    for psi, name, shape in ((models.PSI_8B, "Llama 3.1 8B", models.LLAMA3_8B),
+                             (models.PSI_70B, "Llama 3 70B", models.LLAMA3_70B)):
+        assert psi in widgets.MODEL_SIZES and widgets.model_label(psi) == name
+        state = widgets.calculator_state(psi, 8, 3, "mixed", "adam", 80, seq_len=4096)
+        assert {k: state["shape"][k] for k in ("n_layers", "hidden", "heads")} == {
+            k: shape[k] for k in ("n_layers", "hidden", "heads")}
+        assert state["selected"]["activations"] == memory.activation_bytes(
+            shape["n_layers"], 4096, 1, shape["hidden"], shape["heads"], "full",
+            attention="fused")
+    # Llama 3 70B's 80 layers of 8192, not the 71 of 9088 a GPT-3-like guess gives its Ψ
+    assert memory.gpt_shape(models.PSI_70B)["n_layers"] != models.LLAMA3_70B["n_layers"]
+    # another Ψ: a size, its activations from memory.gpt_shape
+    assert widgets.model_label(16e9) == "16B"
+    assert widgets.model_shape(16e9) == memory.gpt_shape(16e9)
+    assert not any(label.startswith(("7B", "13B", "175B"))
+                   for label in map(widgets.model_label, widgets.MODEL_SIZES))
+
+
 def test_calculator_state_verdicts_and_largest_models():
-    state = widgets.calculator_state(70e9, 64, 3, "mixed", "adam", gpu_gib=80, seq_len=4096,
-                                     micro_batch=1, checkpointing="full")
+    state = widgets.calculator_state(models.PSI_70B, 64, 3, "mixed", "adam", gpu_gib=80,
+                                     seq_len=4096, micro_batch=1, checkpointing="full")
     fits = {r["stage"]: r["fits"] for r in state["rows"]}
     assert fits == {0: False, 1: False, 2: False, 3: True}
     # fits: leaves notebook 07's reserve free (projection.RESERVE_FRACTION, 10%)
@@ -99,10 +118,11 @@ def test_memory_calculator_builds_and_updates():
 def test_calculator_keeps_its_defaults_exactly_and_names_them_as_people_do():
     # 70e9 was not a point of the old log slider: the browser snapped it to 7.08e10 and sent
     # it back, which redrew the chart blank and showed a 70.8B model under a 70B heading
-    box = widgets.memory_calculator(n_params=70e9, world_size=64, stage=3, seq_len=4096)
+    box = widgets.memory_calculator(n_params=models.PSI_70B, world_size=64, stage=3,
+                                    seq_len=4096)
     values = {name: c.value for name, c in box.controls.items()}
-    assert values["n_params"] == 70e9 and values["seq_len"] == 4096
-    assert box.controls["n_params"].label == "70B"
+    assert values["n_params"] == models.PSI_70B and values["seq_len"] == 4096
+    assert box.controls["n_params"].label == "Llama 3 70B"
     odd = widgets.memory_calculator(n_params=3.3e9, world_size=24)  # not in the lists: added
     assert odd.controls["n_params"].value == 3.3e9 and odd.controls["world_size"].value == 24
     assert odd.controls["n_params"].label == "3.3B"
@@ -110,7 +130,7 @@ def test_calculator_keeps_its_defaults_exactly_and_names_them_as_people_do():
 
 
 def test_stage_bar_labels_are_plain_numbers_and_the_legend_covers_no_bar():
-    rows = widgets.stage_rows(70e9, 1)
+    rows = widgets.stage_rows(models.PSI_70B, 1)
     fig = plots.memory_stage_bars(rows, gpu_bytes=80 * GiB)
     ax = fig.axes[0]
     labels = [t.get_text() for t in ax.texts]

@@ -41,13 +41,14 @@ from pathlib import Path
 
 from zero_lab import memory
 from zero_lab.collectives.volume import zero_volume
-from zero_lab.course import decision_plot
+from zero_lab.course import decision_plot, models
 from zero_lab.predict import micro_batches, projection
 from zero_lab.predict.knobs import accumulation_volume
 
 PAGE = Path(__file__).resolve().parent.parent / "practice" / "cheat_sheet.md"
 STATES = ("params", "grads", "optimizer")
-EXAMPLE = {"n_params": 7e9, "world_size": 8, "shard_size": 4}  # a 7B model on 8 GPUs
+# the worked example: the course's Llama 3.1 8B on 8 GPUs (HSDP: groups of 4)
+EXAMPLE = {"n_params": models.PSI_8B, "world_size": 8, "shard_size": 4}
 HSDP = "HSDP"
 
 # Each stage's collectives per step, as the course states them (02_collectives): the
@@ -205,7 +206,8 @@ def accumulation_rows(k: int = 8) -> list[str]:
 def choosing(k: int = 8) -> list[str]:
     """The rule `projection.recommend` keeps, with one worked change from the figure."""
     ratio = accumulation_volume(2, k) / accumulation_volume(1, k)
-    one, many = (decision_plot.gpt_recommendation(7e9, 8, a) for a in (1, k))
+    psi = EXAMPLE["n_params"]
+    one, many = (decision_plot.gpt_recommendation(psi, 8, a) for a in (1, k))
     return [
         "## Choosing a stage",
         "",
@@ -214,7 +216,8 @@ def choosing(k: int = 8) -> list[str]:
         f"(within {projection.TIE:.0%}) to fewer bytes per optimizer step, then to more "
         "headroom. With k micro-batches per optimizer step the bytes are the "
         f"accumulation's: at k = {k} stage 2 sends {ratio:g}x stage 1's, so stage 1 wins "
-        f"wherever it fits (7B on 8 x 80 GiB GPUs: stage {one.stage} at k = 1, stage "
+        f"wherever it fits ({decision_plot.label(psi)} on 8 x 80 GiB GPUs: stage {one.stage} "
+        f"at k = 1, stage "
         f"{many.stage} at k = {k}). Tensor parallelism does not shrink fully sharded states "
         "below 16Ψ/N; it divides activations.",
         "",
@@ -230,7 +233,7 @@ def choosing(k: int = 8) -> list[str]:
 
 def render() -> str:
     """The whole page, as `python -m zero_lab.course.cheat_sheet` writes it."""
-    psi_b = f"{EXAMPLE['n_params'] / 1e9:g}B"
+    psi_b = decision_plot.label(EXAMPLE["n_params"])
     paper, megatron = memory.bytes_per_param(), memory.bytes_per_param(grad_bytes=4)
     lines = [
         "# ZeRO and FSDP on one page",

@@ -2,6 +2,12 @@
 size and GPU count the stage it chooses, one panel per accumulation count k (micro-batches
 per optimizer step). Parent side; notebook 07 draws it and the cheat sheet links it.
 
+The rows the notebook and the cheat sheet talk about are the course's at-scale models,
+Llama 3.1 8B and Llama 3 70B (zero_lab/course/models.py), priced on their published shapes;
+the sizes around them, a guide's axis for reading off another model, get `memory.gpt_shape`'s
+GPT-3-like guess.
+
+    shape, label        a row's (n_layers, hidden, heads) and its name ("Llama 3 70B", "13B")
     gpt_compute         one micro-batch's compute: 4 x 4,096 tokens, full recompute, 40% MFU
     gpt_activations     one micro-batch's activations, full checkpointing, fused attention
     gpt_recommendation  notebook 07's scenario: GPT shapes on 80 GiB GPUs, DGX H100 nodes
@@ -12,12 +18,17 @@ per optimizer step). Parent side; notebook 07 draws it and the cheat sheet links
 from __future__ import annotations
 
 from zero_lab import memory
+from zero_lab.course import models
 from zero_lab.predict import projection
 
 GPU_BYTES = 80 * memory.GiB
 LINK = "dgx_h100"
 SEQ_LEN, MICRO_BATCH = 4096, 4  # tokens a sequence, sequences a micro-batch per rank
-SIZES = (1.3e9, 7e9, 13e9, 30e9, 70e9, 175e9)
+# the course's at-scale models by Ψ, and the sizes around them (the figure's axis)
+NAMED = {models.PSI_8B: "Llama 3.1 8B", models.PSI_70B: "Llama 3 70B"}
+SHAPES = {models.PSI_8B: models.LLAMA3_8B, models.PSI_70B: models.LLAMA3_70B}
+AT_SCALE = tuple(NAMED)
+SIZES = (1.3e9, models.PSI_8B, 13e9, 30e9, models.PSI_70B, 175e9)
 GPUS = (8, 16, 32, 64, 128, 256)
 ACCUMULATIONS = (1, 8)
 NAME = "07_stage_decision"  # the file save_figure writes, the cheat sheet links
@@ -29,28 +40,50 @@ CHOICES = {"stage 0": ("0", "#4C72B0"), "stage 1": ("1", "#DD8452"),
            "nothing fits": ("-", "#DDDDDD")}
 
 
+def shape(n_params: float) -> dict[str, int]:
+    """{"n_layers", "hidden", "heads", ...}: Llama's published shape for the course's at-scale
+    models (their config.json), else `memory.gpt_shape`'s guess for Ψ (a tied head)."""
+    if n_params in SHAPES:
+        return dict(SHAPES[n_params])
+    return memory.gpt_shape(n_params)
+
+
+def label(n_params: float) -> str:
+    """A row's name: "Llama 3.1 8B", "Llama 3 70B", else the size ("13B")."""
+    return NAMED.get(n_params) or f"{n_params / 1e9:g}B"
+
+
+def matmul_params(n_params: float) -> float:
+    """The parameters that multiply: all but an untied input embedding (Llama's: a lookup,
+    V·h; a guessed GPT shape ties it to the output head, which multiplies)."""
+    s = shape(n_params)
+    return n_params - s["vocab"] * s["hidden"] if "vocab" in s else n_params
+
+
 def gpt_compute(n_params: float) -> float:
-    """Seconds of one micro-batch (4 x 4,096 tokens) at 8Ψ + 16·L·h·s FLOPs a token."""
-    shape = memory.gpt_shape(n_params)
-    return projection.transformer_compute_time(n_params, MICRO_BATCH * SEQ_LEN,
-                                               shape["n_layers"], shape["hidden"], SEQ_LEN,
+    """Seconds of one micro-batch (4 x 4,096 tokens) at 8Ψ + 16·L·h·s FLOPs a token, Ψ the
+    parameters that multiply (`matmul_params`)."""
+    s = shape(n_params)
+    return projection.transformer_compute_time(matmul_params(n_params), MICRO_BATCH * SEQ_LEN,
+                                               s["n_layers"], s["hidden"], SEQ_LEN,
                                                recompute="full")
 
 
 def gpt_activations(n_params: float, attention: str = "fused") -> float:
     """One micro-batch's activations on a rank, full checkpointing per layer."""
-    shape = memory.gpt_shape(n_params)
-    return memory.activation_bytes(shape["n_layers"], SEQ_LEN, MICRO_BATCH, shape["hidden"],
-                                   shape["heads"], checkpointing="full", attention=attention)
+    dims = shape(n_params)
+    return memory.activation_bytes(dims["n_layers"], SEQ_LEN, MICRO_BATCH, dims["hidden"],
+                                   dims["heads"], checkpointing="full", attention=attention)
 
 
 def gpt_recommendation(n_params: float, gpus: int, accumulation: int = 1,
                        attention: str = "fused") -> projection.Recommendation:
-    """`recommend` for a GPT-shaped model (`memory.gpt_shape`, one unit a layer) on `gpus`
-    80 GiB GPUs in DGX H100 nodes, k = `accumulation` micro-batches per optimizer step."""
+    """`recommend` for a transformer (`shape`: Llama's for the at-scale models, one unit a
+    layer) on `gpus` 80 GiB GPUs in DGX H100 nodes, k = `accumulation` micro-batches per
+    optimizer step."""
     return projection.recommend(n_params, GPU_BYTES, gpus, LINK, gpt_compute(n_params),
                                 activation_bytes=gpt_activations(n_params, attention),
-                                buckets=memory.gpt_shape(n_params)["n_layers"],
+                                buckets=shape(n_params)["n_layers"],
                                 activations_checkpointed=True, accumulation=accumulation)
 
 
@@ -91,10 +124,10 @@ def decision_figure(sizes=SIZES, gpus=GPUS, accumulations=ACCUMULATIONS):
                 ax.text(j, i, CHOICES[choice(grid[k, n, g])][0], ha="center", va="center",
                         fontsize=9)
         ax.set_xticks(range(len(gpus)), [str(g) for g in gpus])
-        ax.set_yticks(range(len(sizes)), [f"{n / 1e9:g}B" for n in sizes])
+        ax.set_yticks(range(len(sizes)), [label(n) for n in sizes])
         ax.set_xlabel("GPUs (80 GiB, DGX H100 nodes of 8)")
         ax.set_title(f"k = {k} micro-batch{'es' if k > 1 else ''} per optimizer step")
-    axes[0][0].set_ylabel("model size (GPT shape)")
+    axes[0][0].set_ylabel("model (Llama: published shape; others: GPT shape)")
     used = sorted({choice(r) for r in grid.values()}, key=names.index)
     fig.legend(handles=[Patch(color=CHOICES[c][1], label=f"{CHOICES[c][0]}: {c}") for c in used],
                loc="lower center", ncol=len(used), frameon=False,

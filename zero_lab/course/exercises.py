@@ -7,8 +7,8 @@ A graded exercise runs the learner's function inside a real process group. The p
 the hidden cases through `run_exercises`, reporting facts (values, the collectives issued,
 `learner_error` records). The verdict and the hint are decided back on the parent side.
 
-- The notebooks build `GradBucket` (notebook 04) and `BareUnit` (notebook 05) to try their
-  functions; the grader builds them to probe for a stub; the rank scripts grade with them.
+- `GradBucket` (notebook 04) and `BareUnit` (notebook 05) are what those exercises' functions
+  receive: the grader builds them to probe for a stub; the rank scripts grade with them.
 - `load_learner_code`, `learner_error`, `ledger_records` and `run_exercises` run on the ranks.
 - On gloo, `run_exercises` sends the learner's reduce-scatters as one (`send_reduce_scatters_
   directly`): torch's is an all-reduce on the wire, and the grader weighs the wire's bytes.
@@ -40,24 +40,38 @@ LEARNER_FILE = "<your function>"
 
 
 class GradBucket:
-    """Parameters whose gradients travel together: one flat buffer, one reduce-scatter.
+    """Parameters whose gradients travel together: one flat gradient, one reduce-scatter.
 
-    `group` is the bucket's flat layout (`FlatParamGroup`: `params`, `views(flat)`,
-    `new_full()`, `new_shard()`). While the bucket fills during backward, `full` is its flat
-    gradient buffer (None otherwise) and `arrived` counts the gradients copied into it.
-    `owned_grad` (S elements) accumulates this rank's slice of the averaged gradient.
+    Notebook 04's hook `on_grad_ready(param, slot, bucket)` uses three attributes and len():
+
+        grad         the bucket's flat gradient: its parameters' gradients end to end, zero
+                     padding after them, N·S elements; None when no gradient is in it. Freed by
+                     `bucket.grad = None`, as `param.grad = None` frees a parameter's.
+        arrived      how many of its gradients arrived in this backward (0 before each one)
+        owned_grad   this rank's slice of the averaged gradient, S elements: add to it
+        len(bucket)  how many parameters it holds
+
+    `slot(param)` is what the hook is handed as `slot`: param's place in `grad`, shaped like
+    param (it allocates `grad`, zeroed, when there is none). The layout is a
+    `FlatParamGroup`'s (notebook 03), so the slices are stage 2's own.
     """
 
     def __init__(self, params: list[nn.Parameter], world_size: int, rank: int) -> None:
-        self.group = FlatParamGroup(params, world_size, rank)
-        self.full: torch.Tensor | None = None
+        self.params = list(params)
+        self.grad: torch.Tensor | None = None
         self.arrived = 0
-        self.owned_grad = self.group.new_shard()
-        self._position = {id(p): i for i, p in enumerate(params)}
+        self._layout = FlatParamGroup(self.params, world_size, rank)
+        self.owned_grad = self._layout.new_shard()
+        self._position = {id(p): i for i, p in enumerate(self.params)}
 
-    def index(self, param: torch.Tensor) -> int:
-        """Position of `param` in the bucket (which view of `full` is its gradient)."""
-        return self._position[id(param)]
+    def __len__(self) -> int:
+        return len(self.params)
+
+    def slot(self, param: torch.Tensor) -> torch.Tensor:
+        """`param`'s place in the bucket's flat gradient (a view), `grad` allocated if None."""
+        if self.grad is None:
+            self.grad = self._layout.new_full()
+        return self._layout.views(self.grad)[self._position[id(param)]]
 
 
 class BareUnit:

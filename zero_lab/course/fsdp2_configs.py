@@ -1,14 +1,15 @@
 """What notebook 09's launches run, shared by the rank script (zero_lab/workers/fsdp2_practice.py)
-and the checks of what it measured (zero_lab/grading/nb09_fsdp2_runs.py): the model and the
-FSDP2 configurations whose collectives are counted."""
+and the checks of what it measured (zero_lab/grading/nb09_fsdp2_runs.py): the model (the course
+GPT) and the FSDP2 configurations whose collectives are counted."""
 
 from __future__ import annotations
 
 import torch
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
-MODEL = {"vocab_size": 64, "seq_len": 16, "d_model": 32, "n_heads": 2, "n_layers": 2,
-         "bias": False}
+from zero_lab.course import models
+
+MODEL = models.GPT  # the course GPT (zero_lab/course/models.py); read, never changed
 GLOBAL_BATCH = 12  # splits evenly over 1, 2, 3 and 4 ranks
 STEPS, SAVE_AT = 4, 2  # optimizer steps; the DCP checkpoint is saved after SAVE_AT of them
 LR = 1e-3

@@ -38,6 +38,7 @@ import sys
 import time
 from pathlib import Path
 
+from zero_lab.course import figure_sources
 from zero_lab.course.preflight import check_notebooks, preflight
 from zero_lab.launch import capacity
 from zero_lab.launch.paths import FIGURES, NOTEBOOKS, new_run_dir
@@ -292,6 +293,7 @@ def copy_figures(source: Path) -> list[Path]:
               f"{FIGURES}: did its notebooks save them elsewhere (ZERO_LAB_FIGURES_DIR)?",
               file=sys.stderr)
         raise SystemExit(1)
+    figure_sources.record(copied)  # what drew them: tests/test_figures_fresh.py compares
     print(f"copied {len(copied)} figures from {source} into {FIGURES}")
     return copied
 

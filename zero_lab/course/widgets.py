@@ -5,6 +5,9 @@ run it without a browser; `memory_calculator()` only wires the controls to them 
 `zero_lab.course.plots.memory_stage_bars` into an image. tests/test_browser.py checks the widget in
 a real page through the CSS classes it sets (zero-lab-params, zero-lab-world-size,
 zero-lab-chart, zero-lab-verdict).
+
+The course's at-scale models (zero_lab/course/models.py) are offered by name, their
+activations priced on their published shapes; any other Ψ gets `memory.gpt_shape`'s guess.
 """
 
 from __future__ import annotations
@@ -12,16 +15,32 @@ from __future__ import annotations
 import html
 
 from zero_lab import memory
+from zero_lab.course import models
 from zero_lab.course.formatting import model_size
 from zero_lab.predict.projection import RESERVE_FRACTION
 
 GiB = memory.GiB
-# Published model sizes (GPT-2/3, Llama, the ZeRO paper's 7.5B) from 125M to 1T: a slider
-# over named sizes reads "70B", where a log slider would read and snap to 7.08e+10.
-MODEL_SIZES = (125e6, 350e6, 760e6, 1.3e9, 2.7e9, 7e9, 7.5e9, 13e9, 30e9, 70e9, 175e9,
-               405e9, 1e12)
+# The course's two at-scale models, by name, among round sizes from 1B to 1T to try another Ψ:
+# a slider over listed sizes reads "Llama 3 70B", where a log slider would read and snap to
+# 7.08e+10.
+NAMED = {models.PSI_8B: "Llama 3.1 8B", models.PSI_70B: "Llama 3 70B"}
+SHAPES = {models.PSI_8B: models.LLAMA3_8B, models.PSI_70B: models.LLAMA3_70B}
+MODEL_SIZES = tuple(sorted({*NAMED, *(2**k * 10**9 for k in (0, 1, 2, 4, 5, 7, 8, 9)), 10**12}))
 WORLD_SIZES = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
 SEQ_LENS = (512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+
+def model_label(n_params: float) -> str:
+    """"Llama 3 70B" for the course's at-scale models, else the size as people say it."""
+    return NAMED.get(n_params) or model_size(n_params)
+
+
+def model_shape(n_params: float) -> dict[str, int]:
+    """{"n_layers", "hidden", "heads", ...}: the published shape of a named model (Llama's
+    config.json), else `memory.gpt_shape`'s GPT-3-like guess for Ψ."""
+    if n_params in SHAPES:
+        return dict(SHAPES[n_params])
+    return memory.gpt_shape(int(round(n_params)))
 
 
 def stage_rows(
@@ -34,15 +53,16 @@ def stage_rows(
     checkpointing: str = "full",
     attention: str = "fused",
 ) -> list[dict]:
-    """Per-rank bytes for stages 0-3: model states plus activations of a GPT-shaped model.
+    """Per-rank bytes for stages 0-3: model states plus activations of a transformer.
 
-    Activations come from `memory.activation_bytes` for `memory.gpt_shape(n_params)`, with
-    the attention kernel named (notebooks 01, 07 and 08 assume the fused one); ZeRO data
+    Activations come from `memory.activation_bytes` (Korthikanti's per-layer count) for
+    `model_shape(n_params)`: Llama's published shape for the named models, else a GPT shape,
+    with the attention kernel named (notebooks 01, 07 and 08 assume the fused one); ZeRO data
     parallelism does not shard them (each rank keeps its own micro-batch's), so they are the
     same for every stage.
     """
     n = int(round(n_params))
-    shape = memory.gpt_shape(n)
+    shape = model_shape(n_params)
     activations = memory.activation_bytes(
         shape["n_layers"], seq_len, micro_batch, shape["hidden"], shape["heads"], checkpointing,
         attention=attention,
@@ -89,7 +109,7 @@ def calculator_state(
         "reserve_fraction": reserve_fraction,
         "attention": attention,
         "largest": largest,
-        "shape": memory.gpt_shape(int(round(n_params))),
+        "shape": model_shape(n_params),
     }
 
 
@@ -122,8 +142,8 @@ def _with(options: tuple, value) -> list:
 
 
 def memory_calculator(
-    n_params: float = 7.5e9,
-    world_size: int = 64,
+    n_params: float = models.PSI_8B,
+    world_size: int = 8,
     stage: int = 3,
     precision: str = "mixed",
     optimizer: str = "adam",
@@ -147,7 +167,7 @@ def memory_calculator(
     layout = w.Layout(width="480px")
     controls = {
         "n_params": w.SelectionSlider(
-            options=[(model_size(n), n) for n in _with(MODEL_SIZES, n_params)], value=n_params,
+            options=[(model_label(n), n) for n in _with(MODEL_SIZES, n_params)], value=n_params,
             description="parameters Ψ", style=style, layout=layout),
         "world_size": w.SelectionSlider(options=_with(WORLD_SIZES, world_size), value=world_size,
                                         description="world size N_d", style=style,
@@ -198,8 +218,10 @@ def chart_png(state: dict, values: dict) -> bytes:
     """The calculator's bar chart for `state` as PNG bytes."""
     from zero_lab.course.plots import memory_stage_bars, png_bytes
 
+    n_params = values["n_params"]
+    model = NAMED.get(n_params) or f"Ψ = {model_size(n_params)}"
     return png_bytes(memory_stage_bars(
         state["rows"], state["gpu_bytes"],
-        title=f"Ψ = {model_size(values['n_params'])}, N_d = {values['world_size']}, "
+        title=f"{model}, N_d = {values['world_size']}, "
         f"sequence {values['seq_len']} x micro-batch {values['micro_batch']}, "
         f"checkpointing: {values['checkpointing']}"))

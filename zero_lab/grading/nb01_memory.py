@@ -21,6 +21,7 @@ from collections.abc import Callable
 from fractions import Fraction
 
 from zero_lab import memory
+from zero_lab.course import models
 from zero_lab.grading.framework import Case, run_cases, same
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "int8": 1}  # the exercise's dtype names
@@ -179,11 +180,13 @@ def per_rank_bytes_cases(rng: random.Random | None = None) -> list[Case]:
     the padding shows), recipes with a nonzero K, N_d >= 2, in a shuffled order."""
     if rng is None:
         configs = [
-            (7_000_000_001, 1, 64, "Megatron-LM's fp32 main grads, Adam"),
-            (7_000_000_001, 2, 64, "fp32 grads, 8-bit Adam"),
-            (175_000_000_000, 3, 1024, "fp32 grads, 8-bit Adam"),
-            (1_500_000_000, 0, 8, "pure bf16 Adam, no master copy"),
-            (13_000_000_000, 2, 16, "fp16 momentum SGD, fp32 master"),
+            # the course's models (zero_lab/course/models.py): Llama 3.1 8B, Llama 3 70B and
+            # the course MLP; 48 and 24 ranks (6 and 3 nodes of 8) leave a padded partition
+            (models.PSI_8B, 1, 64, "Megatron-LM's fp32 main grads, Adam"),
+            (models.PSI_8B, 2, 48, "fp32 grads, 8-bit Adam"),
+            (models.PSI_70B, 3, 1024, "fp32 grads, 8-bit Adam"),
+            (models.PSI_MLP, 0, 8, "pure bf16 Adam, no master copy"),
+            (models.PSI_70B, 2, 24, "fp16 momentum SGD, fp32 master"),
             (126, 3, 4, "fp32 Adam"),  # notebook 03's toy MLP: 4 slices of 32, two padding
             (1001, 2, 8, "mixed-precision Adam, the paper's"),
             (10, 1, 16, "bf16 Adam states, fp32 master"),  # fewer elements than ranks

@@ -16,6 +16,7 @@ from __future__ import annotations
 import random
 from collections.abc import Callable, Sequence
 
+from zero_lab.course import models
 from zero_lab.course.rank_cases.ring import (
     OUTPUT_FILL,
     TOLERANCE,
@@ -197,7 +198,7 @@ def ring_bytes_sent_cases(rng: random.Random | None = None) -> list[Case]:
     N >= 2, and one on a single rank; messages of 2 B to 40 GB, in a shuffled order."""
     if rng is None:
         configs = [
-            ("all_reduce", 4_000_000_000, 8),  # a 1B-parameter fp32 gradient on 8 GPUs
+            ("all_reduce", 2 * models.PSI_8B, 8),  # Llama 3.1 8B's bf16 gradient on 8 GPUs
             ("all_reduce", 1024, 2),
             ("reduce_scatter", 2_000_000_000, 4),
             ("all_gather", 3 * 2**20, 3),

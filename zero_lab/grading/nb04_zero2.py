@@ -38,7 +38,8 @@ def _bucket_hook_probe() -> tuple:
 
     param = nn.Parameter(torch.zeros(2))
     param.grad = torch.zeros(2)
-    return param, GradBucket([param], 3, 0)
+    bucket = GradBucket([param], 3, 0)
+    return param, bucket.slot(param), bucket
 
 
 BUCKET_HOOK = RankExercise("zero1_zero2_exercises.py", "bucket_hook", _bucket_hook_probe,
@@ -46,13 +47,13 @@ BUCKET_HOOK = RankExercise("zero1_zero2_exercises.py", "bucket_hook", _bucket_ho
 
 
 def check_bucket_hook(fn: Callable) -> None:
-    """Notebook 04: fn(param, bucket) -> None, stage 2's post-accumulate-grad hook.
+    """Notebook 04: fn(param, slot, bucket) -> None, stage 2's post-accumulate-grad hook.
 
-    `bucket` is a `zero_lab.course.exercises.GradBucket`. The hook copies `param.grad` into the
-    bucket's flat buffer (`bucket.full`, allocated by the bucket's first gradient), frees
-    `param.grad`, and once every gradient of the bucket has arrived reduce-scatters the
-    buffer (average) into this rank's slice, adds it to `bucket.owned_grad`, and frees
-    `bucket.full`. Checked on 3 ranks, two backward calls,
+    `slot` is param's place in the bucket's flat gradient `bucket.grad`; `bucket` is a
+    `zero_lab.course.exercises.GradBucket` (`grad`, `arrived`, `owned_grad`, `len`). The hook
+    copies `param.grad` into its slot and frees it, counts it, and once every gradient of the
+    bucket has arrived reduce-scatters `bucket.grad` (average) into a slice it adds to
+    `bucket.owned_grad`, and frees `bucket.grad`. Checked on 3 ranks, two backward calls,
     several bucket layouts, against one process on the global batch.
     """
     name = "check_bucket_hook"
@@ -102,25 +103,26 @@ def judge_bucket_hook(name: str, reports: list[dict], seed: int | None = None,
                            f"bytes, {n} times the bucket",
                      "you concatenated N copies of the gradient (a common 'reduce-scatter' "
                      "built by hand): that sends N times the bytes and briefly holds N "
-                     "copies in memory. Reduce-scatter the bucket's flat buffer itself: each "
-                     "rank contributes its own full gradient, and receives its slice")
+                     "copies in memory. Reduce-scatter bucket.grad itself: each rank "
+                     "contributes its own full gradient, and receives its slice")
             calls = len(expected_sizes) * case.backwards
             if len(rs) != calls or not all(c["in_backward"] for c in rs):
                 fail(name, f"{where}: expected one reduce_scatter per bucket per backward "
                            f"({len(expected_sizes)} buckets x {case.backwards} backward "
                            f"calls), during backward; got {len(rs)}: {comm_summary(rs)}",
-                     "send a bucket once, when its last gradient has arrived "
-                     "(bucket.arrived == len(bucket.group.params)), then reset arrived")
+                     "count each gradient (bucket.arrived += 1) and send the bucket once, when "
+                     "its last one has arrived (bucket.arrived == len(bucket))")
             if sorted(c["nbytes"] for c in rs) != sorted(expected_sizes * case.backwards):
                 fail(name, f"{where}: reduce-scatter sizes {[c['nbytes'] for c in rs]}; "
                            f"expected the padded buckets {expected_sizes}",
-                     "reduce-scatter bucket.full (N·S elements) into a buffer of S elements")
+                     "reduce-scatter bucket.grad (N·S elements) into a tensor shaped like "
+                     "bucket.owned_grad (S elements)")
             kept = as_count(name, where, record.get("grads_kept"), "gradients kept")
             if kept:
                 kept_bytes = as_count(name, where, record.get("grads_kept_bytes"), "their bytes")
                 fail(name, f"{where}: after backward {kept} of {params} parameters still "
                            f"hold a full .grad ({kept_bytes} bytes)",
-                     "set param.grad = None once it is copied into the bucket. Returning "
+                     "set param.grad = None once it is copied into its slot. Returning "
                      "None from a hook discards nothing (a common mistake): a hook's "
                      "return value None means 'leave the gradient as it is'. The kept "
                      "gradient also spoils accumulation: the next backward adds to it, so "
@@ -141,9 +143,11 @@ def judge_bucket_hook(name: str, reports: list[dict], seed: int | None = None,
                      "bucket.owned_grad (+=): the second backward call accumulates")
             full_left = as_count(name, where, record.get("full_left"), "full buffers left")
             if full_left:
-                fail(name, f"{where}: {full_left} bucket(s) still hold their full "
-                           "gradient buffer after backward",
-                     "set bucket.full = None once its reduce-scatter is done")
+                fail(name, f"{where}: {full_left} bucket(s) still hold their flat gradient "
+                           "(bucket.grad) after backward",
+                     "set bucket.grad = None once its reduce-scatter is done, as "
+                     "param.grad = None frees a parameter's: a bucket kept holds its "
+                     "parameters' full gradient until the next backward")
     if cases is None:
         total = len(all_cases)
         passed(name, f"{total}/{total} layouts pass on {n} ranks: right slices, gradients "

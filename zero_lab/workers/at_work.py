@@ -38,10 +38,14 @@ from torch import nn
 
 from zero_lab.collectives import CommLedger
 from zero_lab.collectives.ledger import name_level
+from zero_lab.course import models
 from zero_lab.launch import init_worker, report
 
 SHORT = datetime.timedelta(seconds=2)  # a group's timeout: a hang becomes an error in 2 s
-H, BLOCKS, BATCH, SEQ = 64, 2, 4, 8  # the TP model: width, blocks, rows per dp rank, sequence
+# The TP model: the course GPT's feed-forward blocks (zero_lab/course/models.py), its width,
+# layers and sequence; BATCH rows per dp rank.
+H, BLOCKS, SEQ = models.GPT["d_model"], models.GPT["n_layers"], models.GPT["seq_len"]
+BATCH = 4
 
 
 def the_mistake(rank: int, group: dist.ProcessGroup, device: str = "cpu") -> None:

@@ -45,6 +45,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=64)
     parser.add_argument("--width", type=int, default=64)
     parser.add_argument("--layers", type=int, default=4)
+    parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--vocab", type=int, default=64)
     parser.add_argument("--policy-stage", type=int, default=3)
     return parser.parse_args(argv)
@@ -69,7 +70,7 @@ class Setup:
     def model(self) -> nn.Module:
         a = self.args
         torch.manual_seed(SEED)
-        return W.TinyGPT(vocab_size=a.vocab, seq_len=a.seq, d_model=a.width, n_heads=4,
+        return W.TinyGPT(vocab_size=a.vocab, seq_len=a.seq, d_model=a.width, n_heads=a.heads,
                          n_layers=a.layers, bias=False)
 
     def global_batch(self, step: int):

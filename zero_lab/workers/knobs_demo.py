@@ -8,8 +8,11 @@ a busy 2-core machine). Each part is the function of its own worker, which still
     knob_recompute_precision.recompute_runs   stages 0-3, recompute off and on, tiny GPT
     knob_recompute_precision.precision_runs   4 bf16 recipes at --policy-stage
 
-    knobs_demo.py --mlp-width 64 --mlp-depth 4 --mlp-batch 32 --mlp-steps 3 --ks 1 4 8
-                  --gpt-width 64 --gpt-layers 4 --gpt-seq 32 --gpt-batch 8 --gpt-steps 4
+    knobs_demo.py --mlp-width 1024 --mlp-depth 6 --mlp-batch 32 --mlp-steps 3 --ks 1 4 8
+                  --bucket-kb 25600 --gpt-width 32 --gpt-layers 2 --gpt-heads 2 --gpt-seq 16
+                  --gpt-batch 8 --gpt-steps 4
+
+(notebook 08's sizes: the course MLP and the course GPT; the defaults below are smaller)
 
 Reports {"accumulation": {"runs", "world_size"}, "recompute": [...], "precision": [...],
 "world_size", "gpt", "seconds": {part: wall seconds}}, each rank its own numbers. Parent
@@ -35,6 +38,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--bucket-kb", type=float, default=16.0)
     parser.add_argument("--gpt-width", type=int, default=64)
     parser.add_argument("--gpt-layers", type=int, default=4)
+    parser.add_argument("--gpt-heads", type=int, default=4)
     parser.add_argument("--gpt-seq", type=int, default=32)
     parser.add_argument("--gpt-batch", type=int, default=8)
     parser.add_argument("--gpt-steps", type=int, default=4)
@@ -51,8 +55,8 @@ def main() -> None:
          "--steps", str(a.mlp_steps), "--bucket-kb", str(a.bucket_kb),
          "--ks", *map(str, a.ks)])
     gpt_args = knob_recompute_precision.parse_args(
-        ["--width", str(a.gpt_width), "--layers", str(a.gpt_layers), "--seq", str(a.gpt_seq),
-         "--batch", str(a.gpt_batch), "--steps", str(a.gpt_steps),
+        ["--width", str(a.gpt_width), "--layers", str(a.gpt_layers), "--heads", str(a.gpt_heads),
+         "--seq", str(a.gpt_seq), "--batch", str(a.gpt_batch), "--steps", str(a.gpt_steps),
          "--policy-stage", str(a.policy_stage)])
     seconds = {}
     start = time.perf_counter()

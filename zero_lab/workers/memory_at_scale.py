@@ -1,6 +1,7 @@
 """Rank side of notebook 07: what ONE rank of N holds, for N up to 1024, on one machine.
 
-    memory_at_scale.py --model mlp --width 4096 --depth 6 --worlds 1 2 ... 1024 --batch 8
+    memory_at_scale.py --model mlp --width 1024 --depth 6 --worlds 1 2 ... 1024 --batch 8
+                       [--bucket-mb 4.00390625]
 
 torch's fake process group (`FakeStore`, backend "fake") lets this single process act as
 rank 0 of a world of N: every collective returns at once and moves nothing. Memory is real:
@@ -10,7 +11,9 @@ across ranks), and that does not matter here. For every (N, stage) this worker s
 fresh model (seeded), trains one step, then measures a second: what rank 0 holds after
 backward (`measured.held_bytes`), and the step's peak (`measured.MemoryTimeline`, which
 also sees stage 3 regrow freed storage), next to `memory.model_state_bytes`. Stage 0 does
-not depend on N: it is measured at the smallest and the largest N only. Launched with
+not depend on N: it is measured at the smallest and the largest N only. `--bucket-mb` sizes
+stages 0-2's buckets (shard's `bucket_mb`, 25 by default); notebook 07 passes one Linear's
+MiB, so that a bucket is a unit at every width. Launched with
 `torchrun(..., nproc=1)` for its report; it joins no real process group.
 """
 
@@ -76,6 +79,7 @@ def measure(args, world: int, stage: int) -> dict:
         model = build(args)
         psi = count_parameters(model)
         model, opt = shard(model, stage, optimizer=lambda p: torch.optim.Adam(p, lr=1e-4),
+                           bucket_mb=args.bucket_mb,
                            transport="torch")  # torch's collectives: the fake group's no-ops
         x, y = batch(args)
         loss(model, args, x, y).backward()
@@ -99,7 +103,7 @@ def measure(args, world: int, stage: int) -> dict:
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--model", choices=["mlp", "gpt"], default="mlp")
-    parser.add_argument("--width", type=int, default=4096)
+    parser.add_argument("--width", type=int, default=1024)
     parser.add_argument("--depth", type=int, default=6)
     parser.add_argument("--heads", type=int, default=12)
     parser.add_argument("--vocab", type=int, default=32000)
@@ -107,6 +111,7 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--worlds", type=int, nargs="+", default=[1, 2, 4, 8, 16, 64, 256, 1024])
     parser.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
+    parser.add_argument("--bucket-mb", type=float, default=25.0)  # stages 0-2, as shard's
     args = parser.parse_args()
     rows = []
     for world in args.worlds:

@@ -130,13 +130,20 @@ def run_sharded_step(fn, out: dict, seed: int | None = None) -> None:
 # --------------------------------------------------------------------------- bucket hook
 
 
+def _hand_to(fn, bucket: GradBucket):
+    """The post-accumulate-grad hook that calls fn(param, slot, bucket): `slot` is param's
+    place in the bucket's flat gradient (`GradBucket.slot`, which allocates it when None)."""
+    return lambda param: fn(param, bucket.slot(param), bucket)
+
+
 def run_bucket_hook(fn, out: dict, seed: int | None = None) -> None:
-    """Install fn as every parameter's post-accumulate-grad hook; run backward on this rank's
-    batches (two calls: gradient accumulation).
+    """Install fn(param, slot, bucket) as every parameter's post-accumulate-grad hook; run
+    backward on this rank's batches (two calls: gradient accumulation), each bucket's
+    `arrived` set to 0 before each (as a stage's end-of-backward callback does).
 
     Reported per bucket layout: each bucket's owned_grad values (the judge computes the
     gradient of the global batch in one process), how many parameters still hold a `.grad`,
-    how many buckets were left with a `full` buffer, and the collectives issued during
+    how many buckets were left holding their flat `grad`, and the collectives issued during
     backward with their sizes.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -146,13 +153,14 @@ def run_bucket_hook(fn, out: dict, seed: int | None = None) -> None:
         named = list(model.named_parameters())
         layout = bucket_parameters(named[::-1], case.bucket_bytes, element_size=8)
         buckets = [GradBucket([p for _, p in names[::-1]], n, rank) for names in layout]
-        owner = {id(p): b for b in buckets for p in b.group.params}
-        handles = [p.register_post_accumulate_grad_hook(
-            lambda param, owner=owner: fn(param, owner[id(param)])) for p in model.parameters()]
+        handles = [p.register_post_accumulate_grad_hook(_hand_to(fn, b))
+                   for b in buckets for p in b.params]
         record = {"case": k, "label": case.label(len(buckets))}
         try:
             with CommLedger() as ledger:
                 for backward in range(case.backwards):
+                    for b in buckets:
+                        b.arrived = 0
                     x, y = case.batch(rank, backward)
                     nn.functional.mse_loss(model(x), y).backward()
         except BaseException as exc:
@@ -167,7 +175,7 @@ def run_bucket_hook(fn, out: dict, seed: int | None = None) -> None:
             "grads_kept": sum(p.grad is not None for p in model.parameters()),
             "grads_kept_bytes": sum(p.grad.numel() * 8 for p in model.parameters()
                                     if p.grad is not None),
-            "full_left": sum(b.full is not None for b in buckets),
+            "full_left": sum(b.grad is not None for b in buckets),
             "comm": ledger_records(ledger),
         })
         results.append(record)
