@@ -57,7 +57,7 @@ from zero_lab.stages.mixed_precision import (
     to_compute_dtype,
 )
 from zero_lab.stages.param_gather import ParamGather
-from zero_lab.stages.partition import make_flat_groups
+from zero_lab.stages.partition import FlatParamGroup, make_flat_groups
 from zero_lab.stages.ranks_agree import check_ranks_agree
 from zero_lab.stages.recompute import apply_recompute, check_checkpoint_activations
 from zero_lab.stages.recompute import describe as describe_recompute
@@ -216,6 +216,8 @@ def shard(
     layout = make_mesh(mesh) if mesh is not None else None
     compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
     kept = kept_parameter_ids(model, keep_fp32)  # parameters the policy keeps in fp32
+    # reduce_dtype=float32: groups whose gradient reductions run in fp32 (mixed_precision.py)
+    group_type = ReducedInFp32 if reduce_dtype == torch.float32 else FlatParamGroup
 
     # 1. Trainable parameters, each once (a tied weight is one Parameter), into flat groups;
     #    every rank starts from rank 0's values. Stages 0-2: buckets of about bucket_mb, the
@@ -224,7 +226,7 @@ def shard(
     if stage == 3:
         units, masters = make_units(model, unit_classes, transport, compute_dtype,
                                     replicate_root=root_params == "replicate",
-                                    keep_fp32=keep_fp32, mesh=layout)
+                                    keep_fp32=keep_fp32, mesh=layout, group_type=group_type)
         if not isinstance(reshard_after_forward, bool):  # backward gathers over d ranks
             attach_post_forward_groups(units, reshard_after_forward)
         groups = [unit.group for unit in units]
@@ -238,7 +240,7 @@ def shard(
                   for group in make_flat_groups(params[::-1], bucket_mb * 2**20,
                                                 element_size=size, transport=transport,
                                                 first_bucket_bytes=FIRST_BUCKET_MB * 2**20,
-                                                **_levels(layout))]
+                                                group_type=group_type, **_levels(layout))]
         masters = []
         if compute_dtype:
             # fp32 masters of what this rank updates, taken before anything is rounded; a
@@ -250,9 +252,6 @@ def shard(
                 else:
                     masters.append(mine.clone())
                     group.bind(group.flat.to(compute_dtype))
-    if reduce_dtype == torch.float32:  # gradients reduced in fp32 (mixed_precision.py)
-        for group in groups:
-            group.__class__ = ReducedInFp32
 
     # 2. What is not in a flat group (frozen parameters, buffers) stays whole on every rank,
     #    also from rank 0; stage 3 shards the frozen parameters of its units (units.py).

@@ -170,8 +170,8 @@ class ReducedInFp32(FlatParamGroup):
     The 16-bit full buffer is widened to fp32 and reduced. Given an fp32 output (what the
     stages pass: the reduced slice is the master's gradient, kept in fp32 as FSDP2 keeps
     it) the result stays fp32; given a 16-bit one, it is rounded once into it when the
-    collective completes. All-gathers (of parameters) are untouched. shard() turns a 16-bit
-    group into one with `group.__class__ = ReducedInFp32`.
+    collective completes. All-gathers (of parameters) are untouched. shard() lays out its
+    groups as ReducedInFp32 when reduce_dtype=torch.float32 (make_flat_groups' group_type).
     """
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,

@@ -20,10 +20,9 @@ disguised all-reduce):
     reduce_scatter(shard_out, full_in)   full gradients -> the averaged slice this rank owns
     all_gather(full_out, shard_in)       every rank's slice -> the full buffer on every rank
 
-Stage 3 frees the full parameter buffer between uses. `free_storage` releases the memory of
-a buffer while keeping the tensor (and every view of it, i.e. the parameters) alive;
-`allocate_storage` gives the memory back, and the views see whatever is written next (an
-all-gather). Rebinding `.data` instead would not free what autograd still references.
+Stage 3 frees the full parameter buffer between uses: `free_storage` releases a buffer's
+memory, keeping the tensor and its views (the parameters); `allocate_storage` gives it back,
+the views see what is written next. Rebinding `.data` would not free what autograd holds.
 
 How the stages use it (`make_flat_groups` builds one group per bucket or unit):
 
@@ -53,9 +52,9 @@ collective runs level by level:
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
 import torch.distributed as dist
@@ -147,6 +146,7 @@ class FlatParamGroup:
         if transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
         self.transport = transport  # how this group's collectives are sent (see `direct`)
+        self._direct: bool | None = None  # decided at the first collective
         self.label = "group"  # how its collectives are named in a profiler trace ("bucket 2")
 
     # ------------------------------------------------------------------ layout
@@ -210,8 +210,20 @@ class FlatParamGroup:
         self.flat = flat
         self.dtype = flat.dtype  # new buffers (gradients, slices) follow the parameters
 
+    def sharded_over(self, process_group: dist.ProcessGroup, world_size: int, rank: int
+                     ) -> FlatParamGroup:
+        """This layout's padded buffer cut into `world_size` chunks over `process_group`
+        instead of N (stage 3's reshard_after_forward=d): a new group, this one unchanged."""
+        over = copy.copy(self)
+        over.process_group, over.replicate_group = process_group, None
+        over.world_size, over.rank = world_size, rank
+        over.shard_numel = self.padded_numel // world_size
+        over.shard_start, over.shard_end = over.shard_range(rank)
+        over._direct, over.label = None, f"{self.label} after forward"  # direct: decided anew
+        return over
+
     # ------------------------------------------------------------------ collectives
-    @cached_property
+    @property
     def direct(self) -> bool:
         """Does this group send its collectives as a direct exchange (collectives/exchange.py)?
 
@@ -219,10 +231,11 @@ class FlatParamGroup:
         disguised all-reduce (see that module); elsewhere torch's own collectives. Decided at
         the first collective (a group can be laid out before the process group exists).
         """
-        if self.transport == "auto":
-            backend = str(dist.get_backend(self.process_group))
-            return "gloo" in backend and self.device.type == "cpu"
-        return self.transport == "direct"
+        if self._direct is None:
+            self._direct = (self.transport == "direct" if self.transport != "auto" else
+                            "gloo" in str(dist.get_backend(self.process_group))
+                            and self.device.type == "cpu")
+        return self._direct
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
                    async_op: bool = False) -> dist.Work | Exchange | None:
@@ -302,17 +315,14 @@ class FlatParamGroup:
 
 # ---------------------------------------------------------------------- storage
 
-
 def free_storage(t: torch.Tensor) -> None:
     """Release the memory behind `t`; `t` and its views stay valid objects (size unchanged)."""
     t.untyped_storage().resize_(0)
 
 
 def allocate_storage(t: torch.Tensor) -> None:
-    """Give `t` (a whole buffer, not a view) its memory back after `free_storage`.
-
-    The contents are undefined until written (e.g. by an all-gather).
-    """
+    """Give `t` (a whole buffer, not a view) its memory back after `free_storage`; its
+    contents are undefined until written (e.g. by an all-gather)."""
     if t.storage_offset() != 0:
         raise ValueError("allocate_storage expects the whole buffer, not a view into it")
     nbytes = t.numel() * t.element_size()
@@ -320,12 +330,11 @@ def allocate_storage(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
-def storage_is_allocated(t: torch.Tensor) -> bool:
+def storage_is_allocated(t: torch.Tensor) -> bool:  # (after free_storage: False)
     return t.untyped_storage().nbytes() > 0
 
 
 # ---------------------------------------------------------------------- grouping
-
 
 def bucket_parameters(
     named_params: Sequence[tuple[str, nn.Parameter]], bucket_bytes: float, element_size: int,
@@ -336,10 +345,9 @@ def bucket_parameters(
     A parameter larger than a bucket gets a bucket of its own. Pass the parameters in
     reverse registration order so buckets fill in roughly the order backward produces
     gradients (the last layer's first), as torch's DDP does. `first_bucket_bytes` sizes the
-    first bucket separately, by DDP's rule (1 MiB there): it takes parameters until it holds
-    at least that much (never more than `bucket_bytes`), so it is ready early in backward (the
-    last layer's bias *and* weight, not the bias alone) and its collective runs while most
-    of backward is still to come.
+    first bucket by DDP's rule (1 MiB there): it takes parameters until it holds that much
+    (never more than `bucket_bytes`), so it is ready early in backward (the last layer's
+    bias *and* weight) and its collective runs while most of backward is still to come.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
@@ -364,12 +372,14 @@ def make_flat_groups(
     *, element_size: int | None = None, first_bucket_bytes: float | None = None,
     src: int | None = 0, process_group: dist.ProcessGroup | None = None,
     transport: str = "auto", replicate_group: dist.ProcessGroup | None = None,
+    group_type: type[FlatParamGroup] = FlatParamGroup,
 ) -> list[FlatParamGroup]:
     """Bucket `named_params` (reverse registration order: see `bucket_parameters`) into flat
     groups whose buffers the parameters then view; with `src`, every rank starts from rank
     `src`'s values (one broadcast per group). Inside a bucket, parameters keep forward
     order, so a layout reads like the model. Buckets are sized at `element_size` bytes per
-    element (the parameters' own by default; 2 when they will be cast to bf16)."""
+    element (the parameters' own by default; 2 when they will be cast to bf16); `group_type`
+    may be a subclass that sends its reductions otherwise (ReducedInFp32)."""
     world = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
     element_size = element_size or named_params[0][1].element_size()
@@ -377,8 +387,8 @@ def make_flat_groups(
     for bucket in bucket_parameters(named_params, bucket_bytes, element_size,
                                     first_bucket_bytes=first_bucket_bytes):
         bucket = bucket[::-1]
-        group = FlatParamGroup([p for _, p in bucket], world, rank, [n for n, _ in bucket],
-                               process_group, transport, replicate_group)
+        group = group_type([p for _, p in bucket], world, rank, [n for n, _ in bucket],
+                           process_group, transport, replicate_group)
         flat = group.flatten()
         if src is not None:
             dist.broadcast(flat, src=src,

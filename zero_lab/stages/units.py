@@ -14,7 +14,6 @@ A unit's frozen parameters are a `FrozenPart`, gathered with it, never reduced o
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -296,6 +295,7 @@ class Unit(ShardedPart):
 def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport: str,
                compute_dtype: torch.dtype | None = None, replicate_root: bool = False,
                keep_fp32: Sequence[type] = (), mesh: HybridMesh | None = None,
+               group_type: type[FlatParamGroup] = FlatParamGroup,
                ) -> tuple[list[Unit], list[torch.Tensor]]:
     """Cut `model` into units (units.py) and shard each: returns (units, fp32 slices).
 
@@ -307,7 +307,8 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
     of the classes in `keep_fp32` are units of their own that stay fp32 (their slice is its
     own master), as FSDP2's fully_shard call with an fp32 policy on a norm. With a
     `mesh` (hybrid.py), each unit is sharded over this rank's shard group and replicated
-    across its replicate group.
+    across its replicate group. `group_type`: the units' groups' class (ReducedInFp32 sends
+    their gradients' reductions in fp32; their frozen parts' groups are FlatParamGroups).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = {}
@@ -324,7 +325,7 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
                                                 frozen=True):
         params = [p for _, p in named]
         names = [n for n, _ in named]
-        group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
+        group = group_type(params, world, rank, names, transport=transport, **groups)
         flat = group.flatten()
         dist.broadcast(flat, src=0)  # every rank starts from rank 0's parameters
         whole = replicate_root and all(id(p) in at_root for p in params)
@@ -340,7 +341,7 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
             local = local.to(compute_dtype)
             for p in params:  # the same layout, in the compute dtype
                 p.data = p.data.to(compute_dtype)
-            group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
+            group = group_type(params, world, rank, names, transport=transport, **groups)
         del flat
         group.label = f"unit {len(units)}"  # its collectives' names in a profiler trace
         unit = Unit(name, module, group, local, replicated=whole)
@@ -364,20 +365,10 @@ def attach_post_forward_groups(units: list[Unit], d: int) -> None:
     name_level(group, "post_forward")
     for unit in units:
         if not unit.replicated:
-            unit.post_group = _over(unit.group, group, d, rank % d)
+            unit.post_group = unit.group.sharded_over(group, d, rank % d)
             if unit.frozen is not None:
-                unit.frozen.post_group = _over(unit.frozen.group, group, d, rank % d)
-
-
-def _over(layout: FlatParamGroup, group, d: int, rank: int) -> FlatParamGroup:
-    """`layout`'s buffer sharded over `group` (d ranks) instead: d chunks of N·S / d."""
-    over = copy.copy(layout)
-    over.__dict__.pop("direct", None)  # decided again, for this group
-    over.process_group, over.replicate_group, over.world_size, over.rank = group, None, d, rank
-    over.shard_numel = layout.padded_numel // d
-    over.shard_start, over.shard_end = over.shard_range(rank)
-    over.label = f"{layout.label} after forward"
-    return over
+                unit.frozen.post_group = unit.frozen.group.sharded_over(group, d,
+                                                                             rank % d)
 
 
 def _frozen_part(unit_name: str, named, index: int, compute_dtype, kept: set[int], world: int,

@@ -20,8 +20,9 @@ computes. One training step, for one unit of Ψ_u elements (the collectives in C
                          (Ψ_u), asynchronously, into this rank's gradient slice
 
 Per step: two all-gathers and one reduce-scatter of Ψ = 3Ψ, 1.5x stages 0-2 (section 7.2.2).
-`Zero3` subclasses `Zero2` (zero2.py: the gradient hooks, the asynchronous reduce-scatter,
-the end-of-backward wait) and adds the units' gathering and releasing.
+`Zero3` holds stage 2's gradient path (zero2.py's `ShardedGradients`: each gradient into its
+unit's full buffer, the asynchronous reduce-scatter, the slice landed) and adds the units'
+gathering and releasing around it.
 
 The plain stage (`zero_lab/plain/stage3.py`) plus:
 
@@ -70,14 +71,15 @@ from torch import nn
 
 from zero_lab.profiling.marks import Span
 from zero_lab.stages.accumulation import FORWARDS_DIFFER, describe_forward, forward_fingerprint
+from zero_lab.stages.gradient_sync import GradientSync, clear_grads
 from zero_lab.stages.lockstep import Lockstep
 from zero_lab.stages.units import Unit
-from zero_lab.stages.zero2 import Zero2
+from zero_lab.stages.zero2 import ShardedGradients
 
 # ============================================================================ the stage
 
 
-class Zero3(Zero2):
+class Zero3(GradientSync):
     """Stage 2's gradient path, plus units gathered just in time and released after use."""
 
     stage = 3
@@ -88,9 +90,13 @@ class Zero3(Zero2):
                  find_unused_parameters: bool = False, check_order: bool = False,
                  reshard_after_forward: bool = True, grad_accumulation: str = "sharded"
                  ) -> None:
-        super().__init__([u.group for u in units], owned_slices=[u.local for u in units],
-                         find_unused_parameters=find_unused_parameters,
-                         grad_accumulation=grad_accumulation)
+        super().__init__([u.group for u in units], find_unused_parameters)
+        self.grad_accumulation = grad_accumulation  # what no_sync keeps (accumulation.py)
+        # The optimizer updates each unit's slice (memory of its own); stage 2's gradient
+        # path lands each unit's averaged gradient slice on it.
+        self.step_params += [nn.Parameter(u.local, requires_grad=False) for u in units]
+        self.grads = ShardedGradients(self, self.MAX_IN_FLIGHT)
+        self.reductions = self.grads.reductions
         self.units = units
         self.reshard_after_forward = reshard_after_forward
         self._kept: set[int] = set()  # gathered past their forward (reshard_after_forward)
@@ -326,6 +332,18 @@ class Zero3(Zero2):
         steps send nothing, and its forward gathers before any other collective of a step."""
 
     # ------------------------------------------------------------------ backward
+    def defers(self) -> bool:
+        """Under no_sync only "unsharded" accumulation keeps gradients on this rank."""
+        return self.grad_accumulation == "unsharded" and not self._syncing
+
+    @property
+    def grad_buffers(self) -> list[torch.Tensor]:
+        """The full gradients held under no_sync ("unsharded"), counted as gradients."""
+        return [h for h in self.grads.held if h is not None]
+
+    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        self.grads.add(g, i, param)  # into the unit's full gradient buffer (stage 2's path)
+
     def _pre_backward(self, u: int, _grad: torch.Tensor) -> None:
         self.queue_backward_callback()
         if self.backward_order is None and u not in self._backward_record:
@@ -378,10 +396,10 @@ class Zero3(Zero2):
                 self.release(g)
         if not self.defers():
             self._event("reduce_scatter", g)
-        super().on_group_ready(g)
+        self.grads.send(g)  # REDUCE-SCATTER, as stage 2 sends a bucket
 
     def on_backward_end(self) -> None:
-        super().on_backward_end()  # wait for the last reduce-scatters
+        self.finish_reductions()  # wait for the last reduce-scatters
         self._pending_inputs, self._grads_in = [0] * len(self.units), set()
         for unit in self.units:
             unit.drop_post()  # a unit whose backward did not come
@@ -396,7 +414,7 @@ class Zero3(Zero2):
             self._learn("backward", order)
 
     def on_backward_abandoned(self) -> None:
-        super().on_backward_abandoned()
+        self.grads.abandon()
         self._pending_inputs, self._grads_in = [0] * len(self.units), set()
         for u in range(len(self.units)):
             self._close_span("backward", u)
@@ -433,8 +451,12 @@ class Zero3(Zero2):
         """Nothing to send: the slices were updated in place, and the next forward gathers."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
+        self.finish_reductions()
+        clear_grads(self.step_params, set_to_none)  # the owned gradient slices
+        self.grads.held = [None] * len(self.groups)  # accumulated under no_sync: dropped too
+        self.drop_unsynced()
         if set_to_none:
+            self.clear_has_grad()
             for unit in self.units:
                 for p in unit.params:
                     p.grad = None
