@@ -122,6 +122,16 @@ class ShardedGradients:
         else:
             step_param.grad.add_(owned)  # gradient accumulation, on the slice only
 
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The stage's zero_grad: the gradient slices, and what no_sync held, dropped."""
+        sync = self.sync
+        sync.finish_reductions()  # overlap_step, no step since: they would land after it
+        clear_grads(sync.step_params, set_to_none)  # the owned gradient slices
+        if set_to_none:
+            sync.clear_has_grad()
+        self.held = [None] * len(self.held)  # accumulated under no_sync: dropped too
+        sync.drop_unsynced()
+
     def abandon(self) -> None:
         """A backward raised: buckets already sent land, as gradients; half-filled ones are
         never sent (a held one keeps what it got)."""
@@ -162,9 +172,7 @@ class Zero2(GradientSync):
         self.grads.abandon()
 
     @property
-    def grad_buffers(self) -> list[torch.Tensor]:
-        """The full gradients held under no_sync ("unsharded"), which `measure.memory`
-        counts as gradients, as it counts stages 0-1's buffers."""
+    def grad_buffers(self) -> list[torch.Tensor]:  # held under no_sync: measure/memory.py's
         return [h for h in self.grads.held if h is not None]
 
     def defers(self) -> bool:
@@ -175,9 +183,4 @@ class Zero2(GradientSync):
         self.all_gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.finish_reductions()  # overlap_step, no step since: they would land after it
-        clear_grads(self.step_params, set_to_none)  # the owned gradient slices
-        if set_to_none:
-            self.clear_has_grad()
-        self.grads.held = [None] * len(self.groups)  # accumulated under no_sync: dropped too
-        self.drop_unsynced()
+        self.grads.zero_grad(set_to_none)

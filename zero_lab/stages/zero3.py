@@ -71,7 +71,7 @@ from torch import nn
 
 from zero_lab.profiling.marks import Span
 from zero_lab.stages.accumulation import FORWARDS_DIFFER, describe_forward, forward_fingerprint
-from zero_lab.stages.gradient_sync import GradientSync, clear_grads
+from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.lockstep import Lockstep
 from zero_lab.stages.units import Unit
 from zero_lab.stages.zero2 import ShardedGradients
@@ -337,8 +337,7 @@ class Zero3(GradientSync):
         return self.grad_accumulation == "unsharded" and not self._syncing
 
     @property
-    def grad_buffers(self) -> list[torch.Tensor]:
-        """The full gradients held under no_sync ("unsharded"), counted as gradients."""
+    def grad_buffers(self) -> list[torch.Tensor]:  # held under no_sync: measure/memory.py's
         return [h for h in self.grads.held if h is not None]
 
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
@@ -451,12 +450,8 @@ class Zero3(GradientSync):
         """Nothing to send: the slices were updated in place, and the next forward gathers."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.finish_reductions()
-        clear_grads(self.step_params, set_to_none)  # the owned gradient slices
-        self.grads.held = [None] * len(self.groups)  # accumulated under no_sync: dropped too
-        self.drop_unsynced()
+        self.grads.zero_grad(set_to_none)  # stage 2's; and each parameter's piece of it:
         if set_to_none:
-            self.clear_has_grad()
             for unit in self.units:
                 for p in unit.params:
                     p.grad = None
