@@ -11,11 +11,12 @@ layer, zero_lab.memory.activation_bytes_per_layer) to its input (2·s·b·h), fo
 forward of it: training FLOPs go from 6Ψ to 8Ψ per token (forward 2Ψ, backward 4Ψ, the
 recompute 2Ψ again).
 
-How. The chosen module's `forward` is replaced, on the instance, by one that calls the
-original through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, torch's
-`checkpoint_wrapper` idea without the wrapper module (so parameter names, tied weights and
-hooks stay as they are). The module's hooks run in `__call__`, outside the checkpoint: at
-stage 3 the unit's gather and release (zero3.py) are not part of what is recomputed.
+How. torch's composable `checkpoint(module)` (torch.distributed._composable), FSDP2's
+companion: a forward pre-hook opens a non-reentrant checkpoint region and a forward hook
+closes it, so the module, its `forward`, its parameter names and tied weights stay as they
+are (no wrapper module). At stage 3 the unit's gather and release (zero3.py) are hooks
+registered before these, so they run outside the region and are not part of what is
+recomputed; the recompute calls the module again, and its hooks see they are in backward.
 
 Stage 3, and why the recompute costs no all-gather. A unit is released after its forward
 and gathered again when backward reaches its outputs (the pre-backward hook): that second
@@ -37,12 +38,9 @@ would end the stages' backward early (gradient_sync.py).
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from zero_lab.stages.units import unit_modules
 
@@ -95,15 +93,11 @@ def recompute(module: nn.Module) -> None:
     """From now on `module`'s forward saves only its inputs and is recomputed in backward."""
     if getattr(module, RECOMPUTED_ATTR, False):
         return
-    forward = module.forward
+    # (imported here: torch.distributed._composable loads DDP's replicate too, start-up time
+    # that only a recomputing run pays)
+    from torch.distributed._composable import checkpoint
 
-    @functools.wraps(forward)
-    def recomputed_forward(*args, **kwargs):
-        if not torch.is_grad_enabled():  # nothing is saved without autograd: nothing to save
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = recomputed_forward
+    checkpoint(module)  # its hooks open and close the region; nothing of the module changes
     setattr(module, RECOMPUTED_ATTR, True)
 
 
