@@ -37,12 +37,13 @@ MECHANISM = {
     "gradient_sync.py": {"_weak_hook", "GradientSync._on_grad_accumulated",
                          "GradientSync.queue_backward_callback",
                          "GradientSync._hand_over_ready_groups", "GradientSync._hand_over",
-                         "GradientSync._on_backward_done", "GradientSync.make_grad_buffers",
-                         "GradientSync.zero_grad_buffers", "GradientSync.adopt_grad",
-                         "GradientSync.before_step",
-                         "GradientSync.adopt_grads", "clear_grads"},
+                         "GradientSync._on_backward_done", "GradientSync.before_step",
+                         "GradientSync.all_gather_params", "GradientSync.finish_reductions",
+                         "clear_grads"},
     "ddp.py": {"DataParallel.on_param_grad", "DataParallel.on_group_ready",
-               "DataParallel.on_backward_end", "DataParallel.zero_grad"},
+               "DataParallel.on_backward_end", "DataParallel.zero_grad",
+               "FullGradients.__init__", "FullGradients.zero_grad", "FullGradients.adopt",
+               "FullGradients.adopt_all"},
     "zero1.py": {"Zero1.on_param_grad", "Zero1.on_group_ready", "Zero1.on_backward_end",
                  "Zero1.reduce_gradients", "Zero1.before_step", "Zero1.after_step",
                  "Zero1.zero_grad", "Zero1._land_slice", "Zero1._slice_dtype",
@@ -96,7 +97,7 @@ def classify(rel: str, qualname: str, line: int | None = None) -> str:
 
 
 # Whole files of stages/ that the plain stage has nothing of: every function there an add-on.
-ADD_ON_FILES = {"lockstep.py", "at_rest.py", "param_gather.py", "finish_in_flight.py",
+ADD_ON_FILES = {"lockstep.py", "at_rest.py", "param_gather.py",
                 "accumulation.py", "refusals.py", "ranks_agree.py", "buffers.py",
                 "mixed_precision.py", "torch_clipping.py", "state_dicts.py", "recompute.py",
                 "hybrid.py"}
@@ -107,7 +108,9 @@ ADD_ONS = {
                          "GradientSync.defers", "GradientSync.drop_unsynced",
                          "GradientSync._refuse_unfrozen", "GradientSync._agree_on_grads",
                          "GradientSync.clear_has_grad", "GradientSync.group_sharded",
-                         "GradientSync.abandon_unfinished_backward"},
+                         "GradientSync.abandon_unfinished_backward",
+                         "GradientSync.wait_for_params", "GradientSync.land_through",
+                         "GradientSync.settle", "GradientSync.landing_order"},
     "zero1.py": set(), "ddp.py": set(),
     "zero2.py": {"Zero2.defers", "Zero2.grad_buffers", "ShardedGradients.abandon"},
     "zero3.py": {"Zero3._check_same_unit", "Zero3._learn", "Zero3._open_span",

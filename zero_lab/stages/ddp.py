@@ -32,6 +32,58 @@ from zero_lab.stages.mixed_precision import install_fresh_start, land_wide, redu
 from zero_lab.stages.partition import FlatParamGroup
 
 
+class FullGradients:
+    """Stage 0's gradient path, which stage 1 uses too: one full flat gradient buffer per
+    group, allocated once and reused every step (never freed, as torch's DDP with
+    gradient_as_bucket_view); a parameter's `.grad`, when it has one, is a view of it."""
+
+    def __init__(self, sync: GradientSync) -> None:
+        self.sync = sync
+        self.flat_grads = [group.new_full() for group in sync.groups]
+        self.views = [group.views(buf) for group, buf in zip(sync.groups, self.flat_grads,
+                                                             strict=True)]
+        self.zero_grad(set_to_none=True)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """set_to_none=True: every `.grad` becomes None, as in one process; autograd then
+        allocates the next gradients and `adopt` copies them into the buffer (torch's DDP
+        pays the same copy), and `adopt_all` zeroes the part of a parameter that got none:
+        every element is written before it is read, so the buffer need not be zeroed here.
+        set_to_none=False: a parameter that has a gradient keeps it, as a zeroed view of the
+        buffer, and autograd accumulates straight into it."""
+        sync = self.sync
+        if set_to_none:
+            sync.clear_has_grad()
+            for step_param in sync.step_params:  # given back when backward ends
+                step_param.grad = None
+        for g, (group, buf, views) in enumerate(zip(sync.groups, self.flat_grads, self.views,
+                                                    strict=True)):
+            if not set_to_none:
+                buf.zero_()
+            for p, view, has in zip(group.params, views, sync.has_grad[g], strict=True):
+                p.grad = view if has else None
+
+    def adopt(self, g: int, i: int, param: torch.Tensor) -> None:
+        """From the hook: a gradient autograd made a tensor of its own (after a zero_grad that
+        set `.grad` to None) is copied into the parameter's view at once, while in cache."""
+        view = self.views[g][i]
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+
+    def adopt_all(self, g: int) -> None:
+        """Every `.grad` of group g its view of the buffer: a fresh `.grad` (something set it
+        to None since) is copied in, one still None (not used since) contributes zeros."""
+        for p, view in zip(self.sync.groups[g].params, self.views[g], strict=True):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                view.copy_(p.grad)
+            else:
+                continue
+            p.grad = view
+
+
 class DataParallel(GradientSync):
     """Bucketed all-reduce from post-accumulate-grad hooks, overlapped with backward."""
 
@@ -41,7 +93,8 @@ class DataParallel(GradientSync):
     def __init__(self, groups: list[FlatParamGroup], find_unused_parameters: bool = False
                  ) -> None:
         super().__init__(groups, find_unused_parameters)
-        self.make_grad_buffers()  # full gradients, kept for the whole run
+        self.grads = FullGradients(self)  # full gradients, kept for the whole run
+        self.grad_buffers = self.grads.flat_grads
         # The optimizer updates each whole flat buffer (an alias, no copy).
         for group, grad in zip(groups, self.grad_buffers, strict=True):
             step_param = nn.Parameter(group.flat, requires_grad=False)
@@ -52,11 +105,11 @@ class DataParallel(GradientSync):
         install_fresh_start(self)  # reduce_dtype=float32: accumulation in fp32
 
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
-        self.adopt_grad(g, i, param)
+        self.grads.adopt(g, i, param)
 
     def on_group_ready(self, g: int) -> None:
         # The bucket is complete: start averaging it across ranks, and do not wait.
-        self.adopt_grads(g, self.grad_views[g])
+        self.grads.adopt_all(g)
         if self.defers():  # no_sync: the gradient stays in the buffer, summed locally
             return
         # reduce_dtype=float32: the buffer widened, reduced and kept in fp32 (land_wide)
@@ -81,5 +134,5 @@ class DataParallel(GradientSync):
         self._land_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.zero_grad_buffers(set_to_none)
+        self.grads.zero_grad(set_to_none)
         self.drop_unsynced()

@@ -52,9 +52,10 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.stages.accumulation import MICRO_BATCHES_DIFFER, refuse_unsynced_step
-from zero_lab.stages.finish_in_flight import InFlightWork
 from zero_lab.stages.lockstep import Lockstep
+from zero_lab.stages.param_gather import ParamGather
 from zero_lab.stages.partition import FlatParamGroup
+from zero_lab.stages.reductions_in_flight import InFlight
 
 
 def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], None]:
@@ -74,7 +75,7 @@ def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], N
     return hook
 
 
-class GradientSync(InFlightWork):
+class GradientSync:
     """Base class of the stages: runs the hooks, calls the stage's methods in order.
 
     `step_params[i]` is the tensor the optimizer updates for group i (the whole flat buffer
@@ -84,6 +85,7 @@ class GradientSync(InFlightWork):
 
     stage: int = -1
     sharded: bool = False  # does the optimizer step on this rank's slice only?
+    grad_accumulation = "unsharded"  # what no_sync keeps: stages 2-3 take shard()'s choice
 
     def __init__(self, groups: list[FlatParamGroup], find_unused_parameters: bool = False
                  ) -> None:
@@ -121,7 +123,11 @@ class GradientSync(InFlightWork):
         self.unsynced = False
         self.backwards_since_step = 0  # in the lockstep check's fingerprint
         self._arrived_unsynced: list[list[bool]] | None = None  # find_unused, under no_sync
-        self.init_in_flight()  # overlap (finish_in_flight.py): nothing in flight yet
+        # Overlap (shard()'s options, stages 1-2): all-gathers left for the next forward
+        # (param_gather.py), reductions for opt.step() (`overlap_step`).
+        self.param_gather: ParamGather | None = None
+        self.reductions: InFlight | None = None  # stages 1-3: reductions sent, not landed
+        self.overlap_step = False
         # reduce_dtype=float32 (mixed_precision.land_wide): per 16-bit group, the fp32 average
         # the optimizer steps on; `.grad` shows its rounding. None: none since zero_grad.
         self.main_grads: list[torch.Tensor | None] = [None] * len(groups)
@@ -196,6 +202,45 @@ class GradientSync(InFlightWork):
         self._handed_over = 0
         self._callback_queued = False
 
+    # ------------------------------------------------------------------ in flight (overlap)
+    def all_gather_params(self, gs: list[int] | None = None) -> None:
+        """Stages 1 and 2, after the optimizer step: every rank's updated slice -> the full
+        parameters everywhere, one all_gather_single per group (not N broadcasts); with
+        overlap_param_gather only issued, for the next forward to wait on (param_gather.py)."""
+        if self.param_gather is not None:
+            self.param_gather.issue(gs)
+            return
+        for g in range(len(self.groups)) if gs is None else gs:
+            group = self.groups[g]
+            group.all_gather(group.flat, group.shard(group.flat))  # in place
+
+    def wait_for_params(self) -> None:
+        """Every parameter whole and up to date: the all-gathers opt.step() left in flight
+        (overlap_param_gather) are finished. Nothing to do otherwise."""
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
+
+    def finish_reductions(self) -> None:
+        """Every gradient reduction still in flight has landed (stages 1-2 send them)."""
+        if self.reductions is not None:
+            self.reductions.land(keep=0)
+
+    def land_through(self, g: int) -> None:
+        """overlap_step: group g's reduction (and those sent before it) has landed."""
+        if self.reductions is not None:
+            self.reductions.land_through(g)
+
+    def settle(self) -> None:
+        """Nothing in flight any more: gradients final, parameters whole."""
+        self.finish_reductions()
+        self.wait_for_params()
+
+    def landing_order(self) -> list[int]:
+        """overlap_step: the order the optimizer steps groups in: those landed already, then
+        those in flight, in the order they were sent."""
+        sent = self.reductions.groups() if self.reductions is not None else []
+        return [g for g in range(len(self.groups)) if g not in sent] + sent
+
     # ------------------------------------------------------------------ lockstep
     def check_lockstep(self, phase: str, fingerprint: int = 0, detail=None,
                        why: str | None = None) -> None:
@@ -231,8 +276,8 @@ class GradientSync(InFlightWork):
     # ------------------------------------------------------------------ accumulation
     def defers(self) -> bool:
         """Does the backward running now keep its gradients on this rank (no_sync)? Stages
-        0 and 1 always can (they hold a full gradient buffer); stages 2-3 override."""
-        return not self._syncing
+        0 and 1 always can (a full gradient buffer); stages 2-3 with "unsharded" only."""
+        return not self._syncing and self.grad_accumulation == "unsharded"
 
     def drop_unsynced(self) -> None:
         """zero_grad(): what no_sync accumulated is gone with the gradients (and main_grads)."""
@@ -304,65 +349,6 @@ class GradientSync(InFlightWork):
     def group_sharded(self, g: int) -> bool:
         """Does the optimizer step only this rank's slice of group g?"""
         return self.sharded and not self.replicated[g]
-
-    # ------------------------------------------------------------------ shared helpers
-    def make_grad_buffers(self) -> None:
-        """Stages 0 and 1: one full flat gradient buffer per group, allocated once and reused
-        every step; a parameter's `.grad`, when it has one, is a view of it."""
-        self.grad_buffers = [group.new_full() for group in self.groups]
-        self.grad_views = [group.views(buf) for group, buf
-                           in zip(self.groups, self.grad_buffers, strict=True)]
-        self.zero_grad_buffers(set_to_none=True)
-
-    def zero_grad_buffers(self, set_to_none: bool) -> None:
-        """`zero_grad()` for stages 0 and 1: zero the persistent gradient buffers in place
-        (reused, never freed, as torch's DDP does with gradient_as_bucket_view).
-
-        set_to_none=True: every `.grad` becomes None, as in one process; autograd then
-        allocates the next gradients and `adopt_grad` copies them into the buffer (torch's
-        DDP pays the same copy), and `adopt_grads` zeroes the part of a parameter that got
-        none: every element is written before it is read, so the buffer need not be zeroed
-        here. set_to_none=False: a parameter that has a gradient keeps it, as a zeroed view of
-        the buffer, and autograd accumulates straight into it."""
-        if set_to_none:
-            self.clear_has_grad()
-            for step_param in self.step_params:  # given back when backward ends
-                step_param.grad = None
-        for g, (group, buf, views) in enumerate(zip(self.groups, self.grad_buffers,
-                                                    self.grad_views, strict=True)):
-            if not set_to_none:
-                buf.zero_()
-            for p, view, has in zip(group.params, views, self.has_grad[g], strict=True):
-                p.grad = view if has else None
-
-    def adopt_grad(self, g: int, i: int, param: torch.Tensor) -> None:
-        """From the hook: parameter i of group g's gradient into the flat buffer, at once.
-
-        After a zero_grad that set `.grad` to None, autograd made the gradient a tensor of its
-        own: copy it into the parameter's view of the buffer (and free it) while it is fresh
-        in cache, rather than all of them when the group or backward ends."""
-        view = self.grad_views[g][i]
-        if param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            param.grad = view
-
-    def adopt_grads(self, g: int, grad_views: list[torch.Tensor]) -> None:
-        """Make every `.grad` of group g its view of the group's persistent gradient buffer.
-
-        Stages 0 and 1 let autograd accumulate straight into one flat gradient buffer per
-        group (`param.grad` is a view of it, like DDP's gradient_as_bucket_view). If
-        something set a `.grad` to None (a hand-written zero_grad loop), autograd allocated a
-        fresh `.grad` this time: copy it into the buffer; a `.grad` still None (the
-        parameter was not used since) contributes zeros.
-        """
-        for p, view in zip(self.groups[g].params, grad_views, strict=True):
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
-                view.copy_(p.grad)
-            else:
-                continue
-            p.grad = view
 
     def full_flat_params(self, g: int) -> torch.Tensor:
         """Group g's full flat parameters (stages 0-2 hold them; stage 3 all-gathers)."""

@@ -49,6 +49,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from zero_lab.stages.ddp import FullGradients
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.mixed_precision import install_fresh_start, land_wide, reduces_wide
 from zero_lab.stages.partition import FlatParamGroup, make_flat_groups
@@ -87,7 +88,8 @@ class Zero1(GradientSync):
         # When gradients are reduced: at the end of backward (shard()), or in opt.step()
         # (ZeroRedundancyOptimizer below, an optimizer that leaves backward alone).
         self.reduce_in_step = reduce_in_step
-        self.make_grad_buffers()  # full gradients, kept for the whole run (g·Ψ bytes)
+        self.grads = FullGradients(self)  # stage 0's: full gradients, kept (g·Ψ bytes)
+        self.grad_buffers = self.grads.flat_grads
         # The optimizer updates only this rank's slice; its gradient is the same slice of the
         # gradient buffer (both are views: no memory of their own).
         for group, grad in zip(groups, self.grad_buffers, strict=True):
@@ -113,12 +115,12 @@ class Zero1(GradientSync):
         return grad / self.world_size if self._holds_average else None  # None: unchanged
 
     def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
-        self.adopt_grad(g, i, param)
+        self.grads.adopt(g, i, param)
 
     def on_group_ready(self, g: int) -> None:
         if not self.overlap_grad_reduce or self.defers():
             return  # reduced when backward ends (or, under no_sync, kept here)
-        self.adopt_grads(g, self.grad_views[g])  # the buffer holds every gradient of g
+        self.grads.adopt_all(g)  # the buffer holds every gradient of g
         self._send(g)
 
     def _send(self, g: int) -> None:
@@ -150,7 +152,7 @@ class Zero1(GradientSync):
     def on_backward_end(self) -> None:
         if self.defers():  # no_sync: the gradients stay in the full buffer, summed locally
             for g in range(len(self.groups)):
-                self.adopt_grads(g, self.grad_views[g])
+                self.grads.adopt_all(g)
         elif self.overlap_grad_reduce:  # sent during backward: land them (or leave them
             self.reductions.land(keep=None if self.overlap_step else 0)  # to opt.step())
             self._holds_average = True  # a later backward adds on top
@@ -164,7 +166,7 @@ class Zero1(GradientSync):
     def reduce_gradients(self) -> None:
         """The stage's one gradient collective per group (after backward, or in step())."""
         for g in range(len(self.groups)):
-            self.adopt_grads(g, self.grad_views[g])
+            self.grads.adopt_all(g)
         if self.variant == "all_reduce":
             # Every rank gets the full averaged gradient and will use only its slice of it.
             wides = [buf.float() if reduces_wide(self, g) else None
@@ -204,7 +206,7 @@ class Zero1(GradientSync):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.finish_reductions()  # overlap_step, no step since: they would land after it
-        self.zero_grad_buffers(set_to_none)
+        self.grads.zero_grad(set_to_none)
         self._holds_average = False
         self.drop_unsynced()
 

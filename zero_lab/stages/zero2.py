@@ -150,7 +150,7 @@ class Zero2(GradientSync):
     def __init__(self, groups: list[FlatParamGroup], find_unused_parameters: bool = False,
                  grad_accumulation: str = "sharded") -> None:
         super().__init__(groups, find_unused_parameters)
-        self.grad_accumulation = grad_accumulation  # what no_sync keeps (module docstring)
+        self.grad_accumulation = grad_accumulation  # what no_sync keeps (accumulation.py)
         # The optimizer updates this rank's slice of each flat buffer (a view, no copy). Its
         # gradient appears at the end of backward: grads are sharded.
         self.step_params += [nn.Parameter(group.shard(group.flat), requires_grad=False)
@@ -174,10 +174,6 @@ class Zero2(GradientSync):
     @property
     def grad_buffers(self) -> list[torch.Tensor]:  # held under no_sync: measure/memory.py's
         return [h for h in self.grads.held if h is not None]
-
-    def defers(self) -> bool:
-        """Under no_sync only "unsharded" accumulation keeps gradients on this rank."""
-        return self.grad_accumulation == "unsharded" and not self._syncing
 
     def after_step(self) -> None:
         self.all_gather_params()

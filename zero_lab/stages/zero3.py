@@ -20,9 +20,8 @@ computes. One training step, for one unit of Ψ_u elements (the collectives in C
                          (Ψ_u), asynchronously, into this rank's gradient slice
 
 Per step: two all-gathers and one reduce-scatter of Ψ = 3Ψ, 1.5x stages 0-2 (section 7.2.2).
-`Zero3` holds stage 2's gradient path (zero2.py's `ShardedGradients`: each gradient into its
-unit's full buffer, the asynchronous reduce-scatter, the slice landed) and adds the units'
-gathering and releasing around it.
+`Zero3` holds stage 2's gradient path (zero2.py's `ShardedGradients`) and gathers and
+releases the units around it.
 
 The plain stage (`zero_lab/plain/stage3.py`) plus:
 
@@ -332,10 +331,6 @@ class Zero3(GradientSync):
         steps send nothing, and its forward gathers before any other collective of a step."""
 
     # ------------------------------------------------------------------ backward
-    def defers(self) -> bool:
-        """Under no_sync only "unsharded" accumulation keeps gradients on this rank."""
-        return self.grad_accumulation == "unsharded" and not self._syncing
-
     @property
     def grad_buffers(self) -> list[torch.Tensor]:  # held under no_sync: measure/memory.py's
         return [h for h in self.grads.held if h is not None]
