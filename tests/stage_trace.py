@@ -119,7 +119,7 @@ ADD_ONS = {
                  "Zero3.before_first_collective", "Zero3._refuse_compile", "Zero3.defers",
                  "Zero3.grad_buffers"},
     "units.py": {"Unit.drop_post", "Unit.reshard_after_forward", "Unit.name"},
-    "partition.py": {"FlatParamGroup.direct", "FlatParamGroup._direct"},
+    "partition.py": {"FlatParamGroup.sends"},
     "reductions_in_flight.py": set(),
     "sharded_optimizer.py": {"_refuse_step"},
 }

@@ -16,18 +16,8 @@ mixed precision). What keeps torch's own habits right on a sharded model lives b
 together), `lockstep.py` (ranks that drift apart during training fail together, named) and
 `at_rest.py` (stage 3 refuses a read of a resting parameter's piece).
 
-`shard()` changes the model in place and returns it, in three steps that every stage shares
-(read it top to bottom): trainable parameters move into flat buffers (stages 0-2: one per
-bucket of about `bucket_mb` MB, filled in reverse registration order, the order backward
-produces gradients, the first closed at 1 MB as in torch's DDP; stage 3: one per unit, of
-which a rank keeps its slice), every rank starts from rank 0's parameters and buffers
-(broadcast, as torch's DDP does), then the stage installs its hooks and the optimizer is
-built on what this rank updates. Build the optimizer through `shard(..., optimizer=...)`,
-never on `model.parameters()` directly. `model.zero_grad()` is routed to `opt.zero_grad()`.
-
-For the stage modules: a sharded model carries, as attribute `SHARDED_ATTR`, the object whose
-`full_state_dict(model)` method `full_state_dict()` calls (for stages 0-2 the optimizer,
-which knows the flat groups and the fp32 masters).
+`shard()` changes the model in place and returns it, in the three steps its numbered comments
+name. Build the optimizer through `shard(..., optimizer=...)`, never on `model.parameters()`.
 """
 
 from __future__ import annotations

@@ -13,9 +13,7 @@ exactly S elements whatever the parameter sizes, and a parameter may straddle tw
 
 One buffer layout serves every state of the group: the parameters, a full gradient buffer
 (`new_full()`), a gradient or fp32 master slice (`new_shard()`). The two collectives ZeRO
-needs work on whole buffers, one call per group (on gloo sent as a direct exchange of
-point-to-point messages, `zero_lab.collectives.exchange`, because torch's gloo reduce-scatter is a
-disguised all-reduce):
+needs work on whole buffers, one call per group (sent as collectives/transports.py chooses):
 
     reduce_scatter(shard_out, full_in)   full gradients -> the averaged slice this rank owns
     all_gather(full_out, shard_in)       every rank's slice -> the full buffer on every rank
@@ -60,18 +58,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.collectives import exchange
+from zero_lab.collectives import transports
 from zero_lab.collectives.chain import Chain, one_after_another
 from zero_lab.collectives.exchange import Exchange
 from zero_lab.profiling import marks
-
-# How a group sends its collectives: "auto" (a direct exchange of point-to-point messages on
-# gloo, torch's collectives elsewhere: see collectives/exchange.py), "torch" or "direct".
-# `shard(..., transport=...)` passes it down; tests and `make bench` compare the two.
-# "none" sends nothing (each collective does only its local copies; training results are
-# meaningless): notebook 06 times a stage with and without it to measure what its
-# communication costs.
-TRANSPORTS = ("auto", "torch", "direct", "none")
 
 
 @dataclass(frozen=True)
@@ -143,10 +133,11 @@ class FlatParamGroup:
         self.padding = self.padded_numel - self.numel
         self.shard_start, self.shard_end = self.shard_range(rank)
         self.flat: torch.Tensor | None = None  # the buffer the parameters view, once bound
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.transport = transport  # how this group's collectives are sent (see `direct`)
-        self._direct: bool | None = None  # decided at the first collective
+        if transport not in transports.TRANSPORTS:  # (collectives/transports.py)
+            raise ValueError(f"transport must be one of {tuple(transports.TRANSPORTS)}, got "
+                             f"{transport!r}")
+        self.transport = transport  # how this group's collectives are sent (`sends`)
+        self._sends: transports.Transport | None = None  # resolved at the first collective
         self.label = "group"  # how its collectives are named in a profiler trace ("bucket 2")
 
     # ------------------------------------------------------------------ layout
@@ -219,23 +210,21 @@ class FlatParamGroup:
         over.world_size, over.rank = world_size, rank
         over.shard_numel = self.padded_numel // world_size
         over.shard_start, over.shard_end = over.shard_range(rank)
-        over._direct, over.label = None, f"{self.label} after forward"  # direct: decided anew
+        over._sends, over.label = None, f"{self.label} after forward"  # resolved anew
         return over
 
     # ------------------------------------------------------------------ collectives
     @property
-    def direct(self) -> bool:
-        """Does this group send its collectives as a direct exchange (collectives/exchange.py)?
-
-        With `transport="auto"`: on gloo (CPU) yes, because torch's gloo reduce-scatter is a
-        disguised all-reduce (see that module); elsewhere torch's own collectives. Decided at
-        the first collective (a group can be laid out before the process group exists).
-        """
-        if self._direct is None:
-            self._direct = (self.transport == "direct" if self.transport != "auto" else
-                            "gloo" in str(dist.get_backend(self.process_group))
-                            and self.device.type == "cpu")
-        return self._direct
+    def sends(self) -> transports.Transport:
+        """The collectives this group sends with (collectives/transports.py). Resolved at the
+        first collective: a group can be laid out before its process group exists."""
+        if self._sends is None:
+            name = self.transport
+            if name == "auto":  # the direct exchange on gloo with CPU tensors, else torch's
+                gloo = "gloo" in str(dist.get_backend(self.process_group))
+                name = "direct" if gloo and self.device.type == "cpu" else "torch"
+            self._sends = transports.TRANSPORTS[name]
+        return self._sends
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
                    async_op: bool = False) -> dist.Work | Exchange | None:
@@ -243,20 +232,8 @@ class FlatParamGroup:
 
         `shard_in` may be this rank's own slice of `full_out` (in place).
         """
-        def issue():
-            if self.transport == "none":
-                return exchange.all_gather_skipped(full_out, shard_in, self.process_group,
-                                                   async_op)
-            if self.direct:
-                return exchange.all_gather(full_out, shard_in, group=self.process_group,
-                                           async_op=async_op)
-            shard = shard_in
-            if shard.data_ptr() == self.shard(full_out).data_ptr():
-                shard = shard.clone()  # torch's all-gather wants an input apart from the output
-            return dist.all_gather_single(full_out, shard, group=self.process_group,
-                                          async_op=async_op)
-
-        return marks.collective(f"all-gather / {self.label}", issue, async_op)
+        return marks.collective(f"all-gather / {self.label}", lambda: self.sends.all_gather(
+            full_out, shard_in, group=self.process_group, async_op=async_op), async_op)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
@@ -264,14 +241,8 @@ class FlatParamGroup:
         """Full buffers on every rank -> this rank's slice of their reduction (average by
         default): one reduce-scatter. `shard_out` must not be a view of `full_in`."""
         def issue():
-            if self.transport == "none":
-                return exchange.reduce_scatter_skipped(shard_out, full_in, op,
-                                                       self.process_group, async_op)
-            if self.direct:
-                return exchange.reduce_scatter(shard_out, full_in, op=op,
-                                               group=self.process_group, async_op=async_op)
-            return dist.reduce_scatter_single(shard_out, full_in, op=op,
-                                              group=self.process_group, async_op=async_op)
+            return self.sends.reduce_scatter(shard_out, full_in, op=op,
+                                             group=self.process_group, async_op=async_op)
 
         if self.replicate_group is None:
             return marks.collective(f"reduce-scatter / {self.label}", issue, async_op)
@@ -289,23 +260,15 @@ class FlatParamGroup:
             return one_after_another(async_op,
                                      lambda: self.reduce_scatter(piece, buffer, op, True),
                                      lambda: self.all_gather(buffer, piece, True))
-
-        def issue():
-            if self.transport == "none":  # the buffer keeps this rank's values
-                return Exchange([]) if async_op else None
-            return dist.all_reduce(buffer, op=op, group=self.process_group, async_op=async_op)
-
-        return marks.collective(f"all-reduce / {self.label}", issue, async_op)
+        return marks.collective(f"all-reduce / {self.label}", lambda: self.sends.all_reduce(
+            buffer, op=op, group=self.process_group, async_op=async_op), async_op)
 
     def _across(self, piece: torch.Tensor, op: dist.ReduceOp.RedOpType):
         """Hybrid sharding's second level: this rank's slice reduced with the same slice of
         the other groups (an all-reduce over `replicate_group`), asynchronously."""
-        def issue():
-            if self.transport == "none":
-                return Exchange([])
-            return dist.all_reduce(piece, op=op, group=self.replicate_group, async_op=True)
-
-        return marks.collective(f"all-reduce across groups / {self.label}", issue, True)
+        return marks.collective(f"all-reduce across groups / {self.label}", lambda: self.sends
+                                .all_reduce(piece, op=op, group=self.replicate_group,
+                                            async_op=True), True)
 
     def __repr__(self) -> str:
         return (f"FlatParamGroup({len(self.params)} params, numel={self.numel}, "

@@ -30,10 +30,8 @@ With reshard_after_forward=False (units kept gathered from forward to backward),
 is gathered in backward at all, recompute or not: 2Ψ, with the parameters resident.
 
 What is *not* recomputed: the root (the whole model), and a module inside another chosen
-one (its parent's recompute runs it anyway).
-
-Reentrant checkpointing (`use_reentrant=True`) is refused by design: its inner backward
-would end the stages' backward early (gradient_sync.py).
+one (its parent's recompute runs it anyway). (Reentrant checkpointing is refused by
+design: gradient_sync.py.)
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from zero_lab.collectives.transports import TRANSPORTS
 from zero_lab.memory import PRECISIONS
-from zero_lab.stages.partition import TRANSPORTS
 from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
 
 STAGES = (0, 1, 2, 3)
@@ -57,7 +57,7 @@ def check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_vari
     if root_params != "shard" and stage != 3:
         raise ValueError(f"root_params applies to stage 3 only, not stage {stage}")
     if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        raise ValueError(f"transport must be one of {tuple(TRANSPORTS)}, got {transport!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("shard() needs torch.distributed initialised on every rank; run it "
                            "inside a torchrun worker after zero_lab.launch.init_worker()")

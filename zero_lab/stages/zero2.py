@@ -47,9 +47,8 @@ from zero_lab.stages.reductions_in_flight import InFlight
 
 
 class ShardedGradients:
-    """Stage 2's gradient path, which stage 3 uses too: each gradient into its bucket's full
-    buffer, a full bucket reduce-scattered (at most `max_in_flight` in flight), the averaged
-    slice landed on what the stage steps (`sync.step_params[g].grad`)."""
+    """Stage 2's gradient path (the module docstring's steps), which stage 3 uses too; the
+    averaged slice lands on what the stage steps (`sync.step_params[g].grad`)."""
 
     def __init__(self, sync: GradientSync, max_in_flight: int) -> None:
         self.sync, self.max_in_flight = sync, max_in_flight
