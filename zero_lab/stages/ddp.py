@@ -28,7 +28,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.stages.gradient_sync import GradientSync
-from zero_lab.stages.mixed_precision import install_fresh_start, land_wide, reduces_wide
+from zero_lab.stages.mixed_precision import install_fresh_start, land_wide
 from zero_lab.stages.partition import FlatParamGroup
 
 
@@ -113,7 +113,7 @@ class DataParallel(GradientSync):
         if self.defers():  # no_sync: the gradient stays in the buffer, summed locally
             return
         # reduce_dtype=float32: the buffer widened, reduced and kept in fp32 (land_wide)
-        wide = self.grad_buffers[g].float() if reduces_wide(self, g) else None
+        wide = self.grad_buffers[g].float() if self.groups[g].reduces_wide else None
         work = self.groups[g].all_reduce(self.grad_buffers[g] if wide is None else wide,
                                          async_op=True)
         self._in_flight.append((g, work, wide))

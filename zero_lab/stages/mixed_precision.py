@@ -174,6 +174,10 @@ class ReducedInFp32(FlatParamGroup):
     groups as ReducedInFp32 when reduce_dtype=torch.float32 (make_flat_groups' group_type).
     """
 
+    @property
+    def reduces_wide(self) -> bool:  # a 16-bit group (an fp32 one is reduced in fp32 anyway)
+        return self.dtype != torch.float32
+
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        op=dist.ReduceOp.AVG, async_op: bool = False):
         if full_in.dtype == torch.float32:
@@ -192,13 +196,6 @@ class ReducedInFp32(FlatParamGroup):
         wide = buffer.float()
         work = super().all_reduce(wide, op, async_op)
         return _rounded_into(work, wide, buffer)
-
-
-def reduces_wide(sync, g: int) -> bool:
-    """Is group g of a stage (`sync`) a 16-bit group whose gradient is reduced in fp32 and
-    kept so (reduce_dtype=torch.float32)?"""
-    group = sync.groups[g]
-    return isinstance(group, ReducedInFp32) and group.dtype != torch.float32
 
 
 def step_grad(sync, g: int) -> torch.Tensor | None:
@@ -228,8 +225,8 @@ def install_fresh_start(sync) -> None:
     their fp32 average to the fp32 one kept: accumulation in fp32, not in the 16-bit buffer."""
     sync.rounding_held = [False] * len(sync.groups)
     ref = weakref.ref(sync)
-    for g, group in enumerate(sync.groups):
-        if reduces_wide(sync, g):
+    for group in sync.groups:
+        if group.reduces_wide:
             for p in group.params:
                 sync._hook_handles.append(p.register_hook(partial(_fresh_start, ref)))
 

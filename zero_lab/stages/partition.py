@@ -94,6 +94,9 @@ class FlatParamGroup:
         group.views(grad_buffer)         # parameter-shaped views into any flat buffer
     """
 
+    # Reduced in fp32 and kept so (reduce_dtype=torch.float32: mixed_precision.ReducedInFp32)?
+    reduces_wide = False
+
     def __init__(
         self,
         params: Sequence[torch.Tensor],

@@ -51,7 +51,7 @@ from torch import nn
 
 from zero_lab.stages.ddp import FullGradients
 from zero_lab.stages.gradient_sync import GradientSync
-from zero_lab.stages.mixed_precision import install_fresh_start, land_wide, reduces_wide
+from zero_lab.stages.mixed_precision import install_fresh_start, land_wide
 from zero_lab.stages.partition import FlatParamGroup, make_flat_groups
 from zero_lab.stages.ranks_agree import check_ranks_agree
 from zero_lab.stages.reductions_in_flight import InFlight
@@ -133,7 +133,7 @@ class Zero1(GradientSync):
 
     def _slice_dtype(self, g: int) -> torch.dtype | None:
         """The reduced slice's dtype: fp32 when reduced in fp32 (kept for the optimizer)."""
-        return torch.float32 if reduces_wide(self, g) else None
+        return torch.float32 if self.groups[g].reduces_wide else None
 
     def _land_slice(self, g: int, buf: torch.Tensor, owned: torch.Tensor) -> None:
         """The averaged slice into our part of the buffer (fp32: kept, and its rounding)."""
@@ -169,7 +169,7 @@ class Zero1(GradientSync):
             self.grads.adopt_all(g)
         if self.variant == "all_reduce":
             # Every rank gets the full averaged gradient and will use only its slice of it.
-            wides = [buf.float() if reduces_wide(self, g) else None
+            wides = [buf.float() if self.groups[g].reduces_wide else None
                      for g, buf in enumerate(self.grad_buffers)]
             works = [group.all_reduce(buf if wide is None else wide, async_op=True)
                      for group, buf, wide in zip(self.groups, self.grad_buffers, wides,

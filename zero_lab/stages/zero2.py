@@ -41,7 +41,6 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.stages.gradient_sync import GradientSync, clear_grads
-from zero_lab.stages.mixed_precision import reduces_wide
 from zero_lab.stages.partition import FlatParamGroup
 from zero_lab.stages.reductions_in_flight import InFlight
 
@@ -93,7 +92,7 @@ class ShardedGradients:
             self.held[g] = full
             return
         self.held[g] = None  # sent now, freed once sent
-        wide = reduces_wide(sync, g)  # reduce_dtype=float32: the average is kept in fp32
+        wide = group.reduces_wide  # reduce_dtype=float32: the average is kept in fp32
         if sync.replicated[g]:  # kept whole on every rank: average the whole gradient
             owned = full.float() if wide else full
             work = group.all_reduce(owned, async_op=True)
