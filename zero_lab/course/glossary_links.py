@@ -83,7 +83,7 @@ def link_notebook(path: Path, terms: dict[str, str]) -> tuple[dict, bool]:
     markdown = [c for c in nb["cells"] if c["cell_type"] == "markdown"]
     before = ["".join(c["source"]) for c in markdown]
     after = link_cells(before, terms)
-    for cell, text in zip(markdown, after):
+    for cell, text in zip(markdown, after, strict=True):
         cell["source"] = text.splitlines(keepends=True)
     return nb, after != before
 
