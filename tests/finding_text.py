@@ -19,9 +19,14 @@ def cells(prefix: str, kind: str = "markdown") -> list[str]:
             if c["cell_type"] == kind]
 
 
+def without_links(text: str) -> str:
+    """Markdown as it reads: a link is its text (each notebook links its glossary terms)."""
+    return re.sub(r"\[([^\[\]]*)\]\([^)\s]*\)", r"\1", text)
+
+
 def flat(text: str) -> str:
-    """One line, without bold marks or code marks (underscores stay: they are in names)."""
-    return " ".join(re.sub(r"[*`]", "", text).split())
+    """One line, without links, bold marks or code marks (underscores stay: in names)."""
+    return " ".join(re.sub(r"[*`]", "", without_links(text)).split())
 
 
 def markdown(prefix: str) -> str:

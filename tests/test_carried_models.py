@@ -73,7 +73,7 @@ def sizes_set(source: str) -> dict[str, object]:
             continue
         name = node.targets[0].id
         if isinstance(node.value, ast.Dict):
-            for key, value in zip(node.value.keys, node.value.values):
+            for key, value in zip(node.value.keys, node.value.values, strict=True):
                 if isinstance(key, ast.Constant):
                     found[f"{name}[{key.value!r}]"] = ast.literal_eval(value)
         elif re.search(r"(width|depth)$", name):

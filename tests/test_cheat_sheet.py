@@ -165,10 +165,9 @@ def test_every_glossary_entry_has_an_anchor():
     assert len(set(glossary_links.entries().values())) == len(lines) - 4
 
 
-@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
-def test_each_term_links_to_its_entry_where_the_notebook_first_uses_it(path):
-    assert glossary_links.link_notebook(path, glossary_links.entries())[1] is False, (
-        f"{path.name} uses a glossary term with no link: python -m zero_lab.course.glossary_links")
+def test_each_term_links_to_its_entry_where_the_course_first_uses_it():
+    assert glossary_links.link_course(write=False) == [], (
+        "python -m zero_lab.course.glossary_links")
 
 
 def test_the_link_goes_to_the_first_use_outside_code_and_headings():
@@ -182,12 +181,12 @@ def test_the_link_goes_to_the_first_use_outside_code_and_headings():
     assert glossary_links.link_cells(linked, {"bucket": "bucket"}) == linked
     assert glossary_links.link_cells(["NCCL and nccl"], {"NCCL": "gloo"}) == [
         "[NCCL](../zero_lab/practice/glossary.md#gloo) and nccl"]
-    path = NOTEBOOKS[4]  # 04_zero2: its first 'bucket' is a link
-    nb = json.loads(path.read_text(encoding="utf-8"))
-    prose = ["".join(c["source"]) for c in nb["cells"] if c["cell_type"] == "markdown"]
+    path = NOTEBOOKS[1]  # 01: the course's first 'bucket' is its link
+    prose = ["".join(c["source"]) for c in json.loads(path.read_text(encoding="utf-8"))["cells"]
+             if c["cell_type"] == "markdown"]
     unlinked = [re.sub(rf"\[([^\]]*)\]\({re.escape(target)}\)", r"\1", c) for c in prose]
     assert unlinked != prose
-    assert glossary_links.link_cells(unlinked, glossary_links.entries()) != unlinked
+    assert glossary_links.link_cells(unlinked, {"bucket": "bucket"}) == prose
 
 
 def test_the_pages_link_each_other():

@@ -15,6 +15,7 @@ import re
 from pathlib import Path
 
 import pytest
+from finding_text import without_links
 
 ROOT = Path(__file__).resolve().parent.parent
 SUBJECT = r"exposed\s+(?:communication|comm|time)"
@@ -28,7 +29,7 @@ CLAIMS = [  # exposed ... is a lower bound / exposed ..., which is a lower bound
 
 def flat(text: str) -> str:
     """One line, without markdown emphasis or code marks."""
-    return " ".join(re.sub(r"[*_`]", "", text).split())
+    return " ".join(re.sub(r"[*_`]", "", without_links(text)).split())
 
 
 def claims(text: str) -> list[str]:

@@ -14,6 +14,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+from finding_text import without_links
+
 from zero_lab.grading import nb08_knobs_tables as knob_table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -70,7 +72,8 @@ def test_left_false_the_next_forward_uses_the_pre_step_weights(tmp_path):
 
 def markdown(name: str) -> list[str]:
     cells = json.loads((ROOT / "notebooks" / name).read_text(encoding="utf-8"))["cells"]
-    return [" ".join("".join(c["source"]).split()) for c in cells if c["cell_type"] == "markdown"]
+    return [" ".join(without_links("".join(c["source"])).split())
+            for c in cells if c["cell_type"] == "markdown"]
 
 
 def test_the_notebooks_say_the_last_micro_batch_turns_it_back_on():

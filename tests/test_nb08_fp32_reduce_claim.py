@@ -14,14 +14,15 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from finding_text import without_links
 
 NB = Path(__file__).resolve().parent.parent / "notebooks" / "08_knobs.ipynb"
 MARK = "# check: the fp32 reduce"
 
 
 def cells(kind: str) -> list[str]:
-    return ["".join(c["source"]) for c in json.loads(NB.read_text(encoding="utf-8"))["cells"]
-            if c["cell_type"] == kind]
+    nb = json.loads(NB.read_text(encoding="utf-8"))
+    return [without_links("".join(c["source"])) for c in nb["cells"] if c["cell_type"] == kind]
 
 
 def the_check() -> str:

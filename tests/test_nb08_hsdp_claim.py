@@ -13,6 +13,8 @@ import json
 import re
 from pathlib import Path
 
+from finding_text import without_links
+
 NB08 = Path(__file__).resolve().parent.parent / "notebooks" / "08_knobs.ipynb"
 # "HSDP is not faster", "HSDP is slower", "HSDP is faster": a speed ordering stated as a fact
 SPEED_FACT = re.compile(
@@ -20,7 +22,7 @@ SPEED_FACT = re.compile(
 
 
 def cells(kind: str) -> list[str]:
-    return ["".join(c["source"]) for c in json.loads(NB08.read_text())["cells"]
+    return [without_links("".join(c["source"])) for c in json.loads(NB08.read_text())["cells"]
             if c["cell_type"] == kind]
 
 

@@ -74,10 +74,11 @@ def _pass_along(send_buf: torch.Tensor, recv_buf: torch.Tensor, right: int, left
         request.wait()
 
 
-def _ring_reduce_scatter_chunks(chunks: Sequence[torch.Tensor]) -> None:
+def _ring_reduce_scatter_chunks(chunks: Sequence[torch.Tensor], after_step=None) -> None:
     """In place: afterwards chunks[rank] holds the sum over ranks of everyone's chunk[rank].
 
-    The other chunks are left holding partial sums (scratch).
+    The other chunks are left holding partial sums (scratch). `after_step(phase, step)`, if
+    given, is called after each step (notebook 02 records the chunks there to draw them).
     """
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -86,15 +87,19 @@ def _ring_reduce_scatter_chunks(chunks: Sequence[torch.Tensor]) -> None:
         incoming = torch.empty_like(chunks[recv_chunk])
         _pass_along(chunks[send_chunk], incoming, right, left)
         chunks[recv_chunk].add_(incoming)  # my contribution joins the partial sum
+        if after_step:
+            after_step("reduce-scatter", step)
 
 
-def _ring_all_gather_chunks(chunks: Sequence[torch.Tensor]) -> None:
+def _ring_all_gather_chunks(chunks: Sequence[torch.Tensor], after_step=None) -> None:
     """In place: chunks[rank] is complete on entry; afterwards every chunk is, on every rank."""
     rank, n = dist.get_rank(), dist.get_world_size()
     right, left = (rank + 1) % n, (rank - 1) % n
     for step in range(n - 1):
         send_chunk, recv_chunk = all_gather_step(rank, step, n)
         _pass_along(chunks[send_chunk], chunks[recv_chunk], right, left)  # lands in place
+        if after_step:
+            after_step("all-gather", step)
 
 
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
@@ -144,17 +149,18 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
         output.copy_(flat.view(output.shape))
 
 
-def ring_all_reduce(tensor: torch.Tensor) -> None:
+def ring_all_reduce(tensor: torch.Tensor, after_step=None) -> None:
     """Like `dist.all_reduce(tensor)` (SUM), on isend/irecv only: reduce-scatter + all-gather.
 
     Works for any size: the tensor is cut into N chunks whose sizes differ by at most one
-    element (`torch.tensor_split`), so N need not divide `tensor.numel()`.
+    element (`torch.tensor_split`), so N need not divide `tensor.numel()`. `after_step(phase,
+    step)` is called after each of the 2(N-1) steps, with `tensor` as it stands (contiguous).
     """
     n = dist.get_world_size()
     contiguous = tensor.is_contiguous()
     flat = tensor.view(-1) if contiguous else tensor.reshape(-1).clone()
     chunks = flat.tensor_split(n)  # views: both phases work inside `flat` itself
-    _ring_reduce_scatter_chunks(chunks)  # now rank r holds the full sum of chunk r ...
-    _ring_all_gather_chunks(chunks)  # ... and passes it round so everyone has every chunk
+    _ring_reduce_scatter_chunks(chunks, after_step)  # now rank r holds chunk r's full sum ...
+    _ring_all_gather_chunks(chunks, after_step)  # ... and passes it round to every rank
     if not contiguous:
         tensor.copy_(flat.view(tensor.shape))

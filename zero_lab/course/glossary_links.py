@@ -1,16 +1,17 @@
 """Link each glossary term where a notebook first uses it (issue 48, part 3).
 
-A learner who meets "bucket" in notebook 04 clicks it and lands on its entry in
+A learner who meets "bucket" for the first time clicks it and lands on its entry in
 zero_lab/practice/glossary.md. Each entry there opens with an anchor (`<a id="bucket"></a>`);
-each notebook's first use of each of the entry's terms in its prose links to it, once per
-notebook, so a notebook opened on its own links its terms too.
+the course's first use of each term in its prose, notebooks taken in order, links to it, once
+in the course (every notebook's header links the whole glossary). Once: an address read
+aloud is words the learner's budget counts (tests/test_learner_budget.py).
 
 What counts as a use: the term as a whole word (a plural "buckets" too), case-blind unless
 the term has capitals (NCCL, TP, DCP), outside headings, code, and existing links. Symbols
 (Ψ, K, N, α, β) are left unlinked: they sit inside formulas.
 
     python -m zero_lab.course.glossary_links            rewrite the notebooks
-    python -m zero_lab.course.glossary_links --check    exit 1 if any notebook lacks a link
+    python -m zero_lab.course.glossary_links --check    exit 1 if a notebook is not so linked
 
 tests/test_cheat_sheet.py holds every notebook to `--check`.
 """
@@ -77,15 +78,38 @@ def _link_texts(cell: str, target: str) -> str:
     return " ".join(re.findall(rf"\[([^\[\]]*)\]\({re.escape(target)}\)", cell))
 
 
-def link_notebook(path: Path, terms: dict[str, str]) -> tuple[dict, bool]:
-    """The notebook with its terms linked, and whether anything changed."""
+def unlinked(cell: str) -> str:
+    """`cell` with its links to glossary entries turned back into their text."""
+    return re.sub(rf"\[([^\[\]]*)\]\({re.escape(TARGET)}#[\w-]+\)", r"\1", cell)
+
+
+def link_notebook(path: Path, terms: dict[str, str]) -> tuple[dict, bool, set[str]]:
+    """The notebook with `terms` linked where it first uses them (and no other term linked),
+    whether anything changed, and the terms it linked."""
     nb = json.loads(path.read_text(encoding="utf-8"))
     markdown = [c for c in nb["cells"] if c["cell_type"] == "markdown"]
     before = ["".join(c["source"]) for c in markdown]
-    after = link_cells(before, terms)
-    for cell, text in zip(markdown, after):
+    after = link_cells([unlinked(c) for c in before], terms)
+    for cell, text in zip(markdown, after, strict=True):
         cell["source"] = text.splitlines(keepends=True)
-    return nb, after != before
+    linked = {t for t, a in terms.items()
+              if any(pattern(t).search(_link_texts(c, f"{TARGET}#{a}")) for c in after)}
+    return nb, after != before, linked
+
+
+def link_course(write: bool) -> list[str]:
+    """Link each term where the course first uses it, notebooks in order; the notebooks that
+    were not so linked (rewritten when `write`)."""
+    terms, changed = entries(), []
+    for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
+        nb, differs, linked = link_notebook(path, terms)
+        terms = {t: a for t, a in terms.items() if t not in linked}
+        if differs:
+            changed.append(path.name)
+            if write:
+                path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n",
+                                encoding="utf-8")
+    return changed
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -93,19 +117,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--check", action="store_true",
                         help="change nothing; exit 1 if a notebook lacks a term's link")
     args = parser.parse_args(argv)
-    terms = entries()
-    unlinked = []
-    for path in sorted(NOTEBOOKS.glob("[0-9][0-9]_*.ipynb")):
-        nb, changed = link_notebook(path, terms)
-        if changed and args.check:
-            unlinked.append(path.name)
-        elif changed:
-            path.write_text(json.dumps(nb, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
-            print(f"linked the glossary's terms in {path.name}")
-    if unlinked:
-        print("these notebooks use a glossary term with no link to it: " + ", ".join(unlinked)
-              + "; run python -m zero_lab.course.glossary_links", file=sys.stderr)
+    changed = link_course(write=not args.check)
+    if changed and args.check:
+        print("these notebooks do not link the glossary's terms where the course first uses "
+              "them: " + ", ".join(changed) + "; run python -m zero_lab.course.glossary_links",
+              file=sys.stderr)
         return 1
+    for name in changed:
+        print(f"linked the glossary's terms in {name}")
     return 0
 
 

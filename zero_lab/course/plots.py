@@ -144,12 +144,9 @@ OP_COLORS = {"all_reduce": "#4C72B0", "reduce_scatter": "#DD8452", "all_gather":
              "broadcast": "#8172B3"}
 
 
-def _ring_states(world_size: int):
-    """Yield (title, state, received) for the start and every step of a ring all-reduce.
-
-    state[r][c] is the set of ranks whose data chunk c on rank r contains; `received` the
-    (rank, chunk) cells that changed in that step.
-    """
+def scheduled_ring_states(world_size: int):
+    """What `ring_schedule` says a ring all-reduce does, in `recorded_ring_states`' form: the
+    notebook checks the run against it."""
     from zero_lab.collectives import ring_schedule
 
     n = world_size
@@ -167,14 +164,36 @@ def _ring_states(world_size: int):
         yield f"{phase} step {k}", state, {(dst, chunk) for _, dst, chunk in step}
 
 
-def ring_steps_figure(world_size: int = 4):
-    """Grid per step of a ring all-reduce: rows are ranks, columns chunks, each cell says
-    whose contributions it holds; red outlines mark what each rank received in that step."""
+def recorded_ring_states(ranks: list[dict]):
+    """Yield (title, state, received) for the start and every step of the ring all-reduce the
+    ranks recorded (collectives_demo.py's `ring_steps`: rank r started with 2^r in every chunk).
+
+    state[r][c] is the set of ranks whose data chunk c on rank r holds, read off the bits of
+    its value; `received` the (rank, chunk) cells that changed in that step.
+    """
+    n = len(ranks)
+    records = [rank["ring_steps"] for rank in ranks]
+    previous = None
+    for i, first in enumerate(records[0]):
+        state = [[{b for b in range(n) if int(records[r][i]["chunks"][c]) >> b & 1}
+                  for c in range(n)] for r in range(n)]
+        received = set() if previous is None else {
+            (r, c) for r in range(n) for c in range(n) if state[r][c] != previous[r][c]}
+        title = ("start: rank r holds its own tensor" if first["phase"] == "start"
+                 else f"{first['phase']} step {first['step']}")
+        yield title, state, received
+        previous = state
+
+
+def ring_steps_figure(ranks: list[dict]):
+    """Grid per step of the ring all-reduce the ranks ran (their reports' `ring_steps`): rows
+    are ranks, columns chunks, each cell says whose contributions it holds; red outlines mark
+    what each rank received in that step."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
-    n = world_size
-    panels = list(_ring_states(n))
+    n = len(ranks)
+    panels = list(recorded_ring_states(ranks))
     cols = n
     rows = -(-(len(panels) + 1) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(2.6 * cols, 2.5 * rows))

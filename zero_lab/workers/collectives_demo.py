@@ -4,6 +4,7 @@ Reports, per rank:
   tables     each collective on a tiny tensor: this rank's tensor before and after
   identity   max |all_reduce - all_gather(reduce_scatter)| on random data
   ring       max |ring op - torch op| on random data, sizes divisible by N and not
+  ring_steps each rank's chunks after every step of a ring all-reduce of 2^rank (figure)
   ledger     what CommLedger recorded for torch's and the ring's collectives on PSI elements
   patterns   the collectives a training step of each stage issues, as the ledger counts them
 """
@@ -165,5 +166,13 @@ for name, (numel, step) in patterns.items():
     pattern_out[name] = {"psi_bytes": numel * 4, "volume": ledger.volume(),
                          "total_bytes": ledger.total_bytes(), "summary": ledger.summary()}
 
+# ---------------------------------------------------------------- the ring, step by step
+# Rank r starts with 2^r in every chunk, so a chunk's value says whose contributions it holds
+# (bit r set: rank r's). Recorded after every step of the course's ring all-reduce.
+marked = torch.full((n,), 2.0**rank, dtype=torch.float64, device=device)
+ring_steps = [{"phase": "start", "step": 0, "chunks": marked.tolist()}]
+ring_all_reduce(marked, after_step=lambda phase, step: ring_steps.append(
+    {"phase": phase, "step": step + 1, "chunks": marked.tolist()}))
+
 report({"world_size": n, "tables": tables, "identity_error": identity_error, "ring": ring,
-        "psi": psi, "ledger": ledger_out, "patterns": pattern_out})
+        "psi": psi, "ledger": ledger_out, "patterns": pattern_out, "ring_steps": ring_steps})
