@@ -4,9 +4,11 @@ Run on 2 gloo ranks (tests/test_stage_trace.py launches it): the course GPT (tie
 a small MLP (6 x Linear(256, 256)), default options, fp32, Adam. Rank 0 runs `sys.settrace` around
   - `shard()` and the first step: every file of zero_lab/ that runs ("files executed");
   - the third step (a steady one: orders learnt, buffers made): forward, `loss.backward()`,
-    `opt.step()`, `opt.zero_grad()`. Every file of zero_lab/ with a line run there is a file
-    the reader follows to understand the step ("files to follow"); the plain stages
-    (zero_lab/plain/) are traced the same way, for comparison.
+    `opt.step()`, `opt.zero_grad()`. Every file of zero_lab/ with a line run there ("files
+    run"); of them, those with a line of the mechanism run (below) are the files the reader
+    follows to understand the step ("files to follow"): an add-on's module (a check, an
+    option, the ledger, a profiler mark) is opened by a reader who wants that add-on. The
+    plain stages (zero_lab/plain/) are traced the same way, for comparison.
 Of the distinct lines run in zero_lab/stages/ in the steady step, the share that is the
 mechanism: a line counts as the mechanism when the function it runs in is one the plain stage
 has too (the hooks, the buckets and units, the collectives, landing a result, the step and
@@ -39,11 +41,10 @@ MECHANISM = {
                          "GradientSync._hand_over_ready_groups", "GradientSync._hand_over",
                          "GradientSync._on_backward_done", "GradientSync.before_step",
                          "GradientSync.all_gather_params", "GradientSync.finish_reductions",
-                         "clear_grads"},
+                         "clear_grads", "FullGradients.__init__", "FullGradients.zero_grad",
+                         "FullGradients.adopt", "FullGradients.adopt_all"},
     "ddp.py": {"DataParallel.on_param_grad", "DataParallel.on_group_ready",
-               "DataParallel.on_backward_end", "DataParallel.zero_grad",
-               "FullGradients.__init__", "FullGradients.zero_grad", "FullGradients.adopt",
-               "FullGradients.adopt_all"},
+               "DataParallel.on_backward_end", "DataParallel.zero_grad"},
     "zero1.py": {"Zero1.on_param_grad", "Zero1.on_group_ready", "Zero1.on_backward_end",
                  "Zero1.reduce_gradients", "Zero1.before_step", "Zero1.after_step",
                  "Zero1.zero_grad", "Zero1._land_slice", "Zero1._slice_dtype",
@@ -65,8 +66,8 @@ MECHANISM = {
                      "FlatParamGroup.shard", "FlatParamGroup.views", "FlatParamGroup.view",
                      "FlatParamGroup.reduce_scatter", "FlatParamGroup.all_gather",
                      "FlatParamGroup.all_reduce", "FlatParamGroup.flat", "free_storage",
-                     "regrow_storage", "allocate_storage", "FlatParamGroup.shard_range"},
-    "reductions_in_flight.py": {"InFlight.send", "InFlight.land", "InFlight._finish_oldest"},
+                     "regrow_storage", "allocate_storage", "FlatParamGroup.shard_range",
+                     "InFlight.send", "InFlight.land", "InFlight._finish_oldest"},
     "sharded_optimizer.py": {"ShardedOptimizer.step", "ShardedOptimizer.zero_grad",
                              "ShardedOptimizer._step", "ShardedOptimizer._update"},
 }
@@ -97,7 +98,7 @@ def classify(rel: str, qualname: str, line: int | None = None) -> str:
 
 
 # Whole files of stages/ that the plain stage has nothing of: every function there an add-on.
-ADD_ON_FILES = {"lockstep.py", "at_rest.py", "param_gather.py",
+ADD_ON_FILES = {"lockstep.py", "unused_params.py", "at_rest.py", "param_gather.py",
                 "accumulation.py", "refusals.py", "ranks_agree.py", "buffers.py",
                 "mixed_precision.py", "torch_clipping.py", "state_dicts.py", "recompute.py",
                 "hybrid.py"}
@@ -106,7 +107,6 @@ ADD_ONS = {
     "gradient_sync.py": {"GradientSync.check_lockstep", "GradientSync.before_first_collective",
                          "GradientSync.step_starts", "GradientSync.step_ends",
                          "GradientSync.defers", "GradientSync.drop_unsynced",
-                         "GradientSync._refuse_unfrozen", "GradientSync._agree_on_grads",
                          "GradientSync.clear_has_grad", "GradientSync.group_sharded",
                          "GradientSync.abandon_unfinished_backward",
                          "GradientSync.wait_for_params", "GradientSync.land_through",
@@ -120,7 +120,6 @@ ADD_ONS = {
                  "Zero3.grad_buffers"},
     "units.py": {"Unit.drop_post", "Unit.reshard_after_forward", "Unit.name"},
     "partition.py": {"FlatParamGroup.sends"},
-    "reductions_in_flight.py": set(),
     "sharded_optimizer.py": {"_refuse_step"},
 }
 
@@ -203,8 +202,10 @@ def trace_stage(shard, stage: int, name: str, steady: int = 2) -> dict:
     kinds: dict[str, list[str]] = {"mechanism": [], "add-on": [], "unclassified": []}
     for (f, n), q in sorted(stage_lines.items()):
         kinds[classify(f, q, n)].append(f"{f}:{n} {q}")
-    return {"files_executed": setup.files(), "files_to_follow": steady_step.files(),
+    return {"files_executed": setup.files(), "files_run": steady_step.files(),
+            "files_to_follow": sorted({line.split(":")[0] for line in kinds["mechanism"]}),
             "stage_lines": len(stage_lines), "mechanism": kinds["mechanism"],
+            "add_ons": kinds["add-on"],
             "mechanism_lines": len(kinds["mechanism"]), "add_on_lines": len(kinds["add-on"]),
             "unclassified": sorted({line.split(" ", 1)[1] + " (" + line.split(":")[0] + ")"
                                     for line in kinds["unclassified"]}),

@@ -37,7 +37,7 @@ def test_every_stage_line_run_in_a_step_is_classified(trace):
 
 def test_a_plain_stage_is_two_files(trace):
     for stage, numbers in trace["plain mlp"].items():
-        assert numbers["files_to_follow"] == ["plain/partition.py", f"plain/stage{stage}.py"]
+        assert numbers["files_run"] == ["plain/partition.py", f"plain/stage{stage}.py"]
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))

@@ -16,7 +16,7 @@ R + mean(L): accumulation stays right.
 
 The plain stage (`zero_lab/plain/stage0.py`, which copies each gradient into its bucket) plus
 no_sync (accumulation.py: one all-reduce per optimizer step), unused and frozen parameters
-(gradient_sync.py), mixed precision (mixed_precision.py), DDP's broadcast_buffers
+(unused_params.py), mixed precision (mixed_precision.py), DDP's broadcast_buffers
 (buffers.py), and the lockstep, agreement and refusal checks (lockstep.py, ranks_agree.py,
 refusals.py).
 """
@@ -27,61 +27,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.stages.gradient_sync import GradientSync
+from zero_lab.stages.gradient_sync import FullGradients, GradientSync
 from zero_lab.stages.mixed_precision import install_fresh_start, land_wide
 from zero_lab.stages.partition import FlatParamGroup
-
-
-class FullGradients:
-    """Stage 0's gradient path, which stage 1 uses too: one full flat gradient buffer per
-    group, allocated once and reused every step (never freed, as torch's DDP with
-    gradient_as_bucket_view); a parameter's `.grad`, when it has one, is a view of it."""
-
-    def __init__(self, sync: GradientSync) -> None:
-        self.sync = sync
-        self.flat_grads = [group.new_full() for group in sync.groups]
-        self.views = [group.views(buf) for group, buf in zip(sync.groups, self.flat_grads,
-                                                             strict=True)]
-        self.zero_grad(set_to_none=True)
-
-    def zero_grad(self, set_to_none: bool) -> None:
-        """set_to_none=True: every `.grad` becomes None, as in one process; autograd then
-        allocates the next gradients and `adopt` copies them into the buffer (torch's DDP
-        pays the same copy), and `adopt_all` zeroes the part of a parameter that got none:
-        every element is written before it is read, so the buffer need not be zeroed here.
-        set_to_none=False: a parameter that has a gradient keeps it, as a zeroed view of the
-        buffer, and autograd accumulates straight into it."""
-        sync = self.sync
-        if set_to_none:
-            sync.clear_has_grad()
-            for step_param in sync.step_params:  # given back when backward ends
-                step_param.grad = None
-        for g, (group, buf, views) in enumerate(zip(sync.groups, self.flat_grads, self.views,
-                                                    strict=True)):
-            if not set_to_none:
-                buf.zero_()
-            for p, view, has in zip(group.params, views, sync.has_grad[g], strict=True):
-                p.grad = view if has else None
-
-    def adopt(self, g: int, i: int, param: torch.Tensor) -> None:
-        """From the hook: a gradient autograd made a tensor of its own (after a zero_grad that
-        set `.grad` to None) is copied into the parameter's view at once, while in cache."""
-        view = self.views[g][i]
-        if param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            param.grad = view
-
-    def adopt_all(self, g: int) -> None:
-        """Every `.grad` of group g its view of the buffer: a fresh `.grad` (something set it
-        to None since) is copied in, one still None (not used since) contributes zeros."""
-        for p, view in zip(self.sync.groups[g].params, self.views[g], strict=True):
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
-                view.copy_(p.grad)
-            else:
-                continue
-            p.grad = view
 
 
 class DataParallel(GradientSync):

@@ -21,19 +21,8 @@ tells them "this parameter's gradient is ready", "this whole group (bucket) is r
   training goes on as in one process. (A backward that fails on one rank only leaves the
   others waiting in a collective, as with torch's DDP.)
 
-Which parameters have a gradient at all. In one process a parameter that no backward since
-the last `zero_grad()` used keeps `.grad = None`, and the optimizer leaves it and its state
-alone (Adam does not move it, AdamW does not decay it). Flat buffers blur that: a group is
-reduced as a whole, and an unused parameter's part of it is just zeros. So the stages keep
-one flag per parameter, `has_grad[g][i]`, cleared by `zero_grad(set_to_none=True)`; `.grad`
-is None while it is down, and the optimizer (sharded_optimizer.py) steps only the parameters
-whose flag is up. How it is raised is torch DDP's contract:
-- by default every trainable parameter must get a gradient in every backward (the hooks
-  check it for free); one that does not is refused with its name, pointing to
-- `find_unused_parameters=True`: at the end of every backward the ranks agree on the flags
-  with one all-reduce of one byte per parameter, taking the maximum (a parameter used on any
-  rank has a gradient, as it would in one process on the global batch). DDP does the same
-  all-reduce under the same option; the ledger shows it.
+Which parameters have a gradient at all (unused and frozen ones) is unused_params.py's
+check, one call when backward ends.
 
 A stage subclasses `GradientSync` and fills in the methods at the bottom.
 
@@ -48,14 +37,13 @@ import weakref
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zero_lab.stages.accumulation import MICRO_BATCHES_DIFFER, refuse_unsynced_step
 from zero_lab.stages.lockstep import Lockstep
 from zero_lab.stages.param_gather import ParamGather
-from zero_lab.stages.partition import FlatParamGroup
-from zero_lab.stages.reductions_in_flight import InFlight
+from zero_lab.stages.partition import FlatParamGroup, InFlight
+from zero_lab.stages.unused_params import agree_on_grads, refuse_unfrozen
 
 
 def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], None]:
@@ -189,13 +177,13 @@ class GradientSync:
         self._handed_over += 1
 
     def _on_backward_done(self) -> None:
-        self._refuse_unfrozen()
+        refuse_unfrozen(self.frozen)
         # Groups still waiting hold parameters that got no gradient in this backward (unused
         # this step): their gradient is zero, and every rank must still join the collective.
         while self._handed_over < len(self.handover_order):
             self._hand_over(self.handover_order[self._handed_over])
         self.on_backward_end()
-        self._agree_on_grads()
+        agree_on_grads(self)
         self.unsynced = self.defers()
         self.backwards_since_step += 1
         self._ready_params = [0] * len(self.groups)
@@ -285,58 +273,6 @@ class GradientSync:
         self._arrived_unsynced = None
         self.main_grads = [None] * len(self.groups)
 
-    def _refuse_unfrozen(self) -> None:
-        unfrozen = [name for name, p in self.frozen if p.requires_grad]
-        if unfrozen:
-            raise RuntimeError(
-                f"{', '.join(unfrozen)} was frozen (requires_grad=False) when shard() ran and "
-                "has been unfrozen since: shard() laid out only the parameters trainable then, "
-                "so its gradient would never be averaged nor stepped. Unfreeze it before "
-                "shard(); for progressive unfreezing, keep it trainable with lr=0 in a "
-                "parameter group of its own and raise that group's lr when its time comes")
-
-    def _agree_on_grads(self) -> None:
-        """Every rank learns which parameters have a gradient now; `.grad` follows."""
-        arrived_here = self._arrived_here
-        self._arrived_here = [[False] * len(g.params) for g in self.groups]
-        if self.find_unused_parameters:  # the ranks agree once, when the gradients are sent
-            if self._arrived_unsynced is not None:
-                arrived_here = [[a or b for a, b in zip(x, y, strict=True)]
-                                for x, y in zip(arrived_here, self._arrived_unsynced,
-                                                strict=True)]
-                self._arrived_unsynced = None
-            if self.defers():
-                self._arrived_unsynced = arrived_here
-                return
-        if not self.find_unused_parameters:
-            missing = sorted(name for group, arrived in zip(self.groups, arrived_here,
-                                                            strict=True)
-                             for name, a in zip(group.names, arrived, strict=True) if not a)
-            if missing:
-                raise RuntimeError(
-                    f"{len(missing)} trainable parameter(s) got no gradient in this backward "
-                    f"on rank {self.groups[0].rank}: {', '.join(missing[:5])}"
-                    f"{' ...' if len(missing) > 5 else ''}. If the model really leaves "
-                    "parameters unused in some steps (or on some ranks), pass "
-                    "find_unused_parameters=True to shard(), as with torch's DDP (one more "
-                    "small all-reduce per backward); else make every parameter take part in "
-                    "the loss, or freeze it (requires_grad=False) before shard()")
-            self.has_grad = [[True] * len(g.params) for g in self.groups]
-            return
-        flags = torch.tensor([a or h for arrived, had in zip(arrived_here, self.has_grad,
-                                                               strict=True)
-                              for a, h in zip(arrived, had, strict=True)],
-                             dtype=torch.uint8, device=self.groups[0].device)
-        if self.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.groups[0].process_group)
-        flat, k = flags.tolist(), 0
-        for g, group in enumerate(self.groups):
-            self.has_grad[g] = [bool(f) for f in flat[k:k + len(group.params)]]
-            k += len(group.params)
-            for p, has in zip(group.params, self.has_grad[g], strict=True):
-                if not has:
-                    p.grad = None
-
     def clear_has_grad(self) -> None:
         """`zero_grad(set_to_none=True)`: no parameter has a gradient until the next backward."""
         self.has_grad = [[False] * len(g.params) for g in self.groups]
@@ -375,6 +311,58 @@ class GradientSync:
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         raise NotImplementedError
+
+
+class FullGradients:
+    """Stage 0's gradient path, which stage 1 uses too: one full flat gradient buffer per
+    group, allocated once and reused every step (never freed, as torch's DDP with
+    gradient_as_bucket_view); a parameter's `.grad`, when it has one, is a view of it."""
+
+    def __init__(self, sync: GradientSync) -> None:
+        self.sync = sync
+        self.flat_grads = [group.new_full() for group in sync.groups]
+        self.views = [group.views(buf) for group, buf in zip(sync.groups, self.flat_grads,
+                                                             strict=True)]
+        self.zero_grad(set_to_none=True)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """set_to_none=True: every `.grad` becomes None, as in one process; autograd then
+        allocates the next gradients and `adopt` copies them into the buffer (torch's DDP
+        pays the same copy), and `adopt_all` zeroes the part of a parameter that got none:
+        every element is written before it is read, so the buffer need not be zeroed here.
+        set_to_none=False: a parameter that has a gradient keeps it, as a zeroed view of the
+        buffer, and autograd accumulates straight into it."""
+        sync = self.sync
+        if set_to_none:
+            sync.clear_has_grad()
+            for step_param in sync.step_params:  # given back when backward ends
+                step_param.grad = None
+        for g, (group, buf, views) in enumerate(zip(sync.groups, self.flat_grads, self.views,
+                                                    strict=True)):
+            if not set_to_none:
+                buf.zero_()
+            for p, view, has in zip(group.params, views, sync.has_grad[g], strict=True):
+                p.grad = view if has else None
+
+    def adopt(self, g: int, i: int, param: torch.Tensor) -> None:
+        """From the hook: a gradient autograd made a tensor of its own (after a zero_grad that
+        set `.grad` to None) is copied into the parameter's view at once, while in cache."""
+        view = self.views[g][i]
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+
+    def adopt_all(self, g: int) -> None:
+        """Every `.grad` of group g its view of the buffer: a fresh `.grad` (something set it
+        to None since) is copied in, one still None (not used since) contributes zeros."""
+        for p, view in zip(self.sync.groups[g].params, self.views[g], strict=True):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                view.copy_(p.grad)
+            else:
+                continue
+            p.grad = view
 
 
 def clear_grads(tensors: list[torch.Tensor], set_to_none: bool = True) -> None:

@@ -13,7 +13,8 @@ exactly S elements whatever the parameter sizes, and a parameter may straddle tw
 
 One buffer layout serves every state of the group: the parameters, a full gradient buffer
 (`new_full()`), a gradient or fp32 master slice (`new_shard()`). The two collectives ZeRO
-needs work on whole buffers, one call per group (sent as collectives/transports.py chooses):
+needs work on whole buffers, one call per group (sent as collectives/transports.py chooses;
+one sent during backward waits in `InFlight`, below, until the stage lands it):
 
     reduce_scatter(shard_out, full_in)   full gradients -> the averaged slice this rank owns
     all_gather(full_out, shard_in)       every rank's slice -> the full buffer on every rank
@@ -22,37 +23,17 @@ Stage 3 frees the full parameter buffer between uses: `free_storage` releases a 
 memory, keeping the tensor and its views (the parameters); `allocate_storage` gives it back,
 the views see what is written next. Rebinding `.data` would not free what autograd holds.
 
-How the stages use it (`make_flat_groups` builds one group per bucket or unit):
-
-    stage 0  params full in group.flat; a full gradient buffer; all_reduce it
-    stage 1  params full; a full gradient buffer, reduce-scattered into its owned slice;
-             the optimizer updates group.shard(group.flat), then
-             group.all_gather(group.flat, group.shard(group.flat))  (in place)
-    stage 2  as stage 1, but a bucket's full gradient lives only until it is sent
-    stage 3  only the slice lives between uses:
-                 local = group.shard(group.flat).clone(); free_storage(group.flat)
-                 before the unit runs:  allocate_storage(group.flat)
-                                        group.all_gather(group.flat, local)
-                 after it:              free_storage(group.flat)
-                 its gradients:         group.reduce_scatter(grad_slice, full_grad)
-
-Hybrid sharding (HSDP, stages/hybrid.py) lays the world out in 2-D: R groups of S ranks. A
-flat group is then sharded over the S ranks of this rank's group (`process_group`, N = S in
-everything above) and replicated across the R groups (`replicate_group`: the ranks that hold
-the same slice in the other groups). All-gathers stay inside the group; every averaging
-collective runs level by level:
-
-    reduce_scatter   inside the group (the slice, averaged over S ranks), then an all-reduce
-                     of that slice across the groups (averaged over R): the 1/S piece is all
-                     that crosses
-    all_reduce       the same, then an all-gather inside the group: a hierarchical all-reduce
+Hybrid sharding (hybrid.py): a group sharded over the S ranks of `process_group` and
+replicated across `replicate_group`; its averages run inside the group, then across.
 """
 
 from __future__ import annotations
 
 import copy
-from collections.abc import Iterable, Sequence
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -277,6 +258,60 @@ class FlatParamGroup:
         return (f"FlatParamGroup({len(self.params)} params, numel={self.numel}, "
                 f"padded={self.padded_numel}, shard={self.shard_numel} x {self.world_size}, "
                 f"rank {self.rank} owns [{self.shard_start}, {self.shard_end}))")
+
+
+# ---------------------------------------------------------------------- in flight
+
+class Sent(NamedTuple):  # bucket g's collective: `full` is read until done, `owned` written
+    g: int
+    work: dist.Work
+    full: torch.Tensor
+    owned: torch.Tensor
+
+
+class InFlight:
+    """Buckets sent, oldest first, kept with the tensors their collective reads and writes;
+    `land(g, full, owned)` puts each result where the stage keeps gradients, in order: a few
+    at most while backward runs (stage 2 bounds its memory so), all when it ends, or, with
+    overlap_step, each just before the optimizer updates its bucket (`land_through`)."""
+
+    def __init__(self, land: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
+        self._land = land
+        self._sent: deque[Sent] = deque()
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    def __contains__(self, g: int) -> bool:
+        return any(s.g == g for s in self._sent)
+
+    def groups(self) -> list[int]:
+        """The groups still in flight, in the order they were sent."""
+        return [s.g for s in self._sent]
+
+    def send(self, g: int, work: dist.Work, full: torch.Tensor, owned: torch.Tensor,
+             keep: int | None = None) -> None:
+        """Queue bucket g's collective; then land the oldest beyond `keep` (None: no limit)."""
+        self._sent.append(Sent(g, work, full, owned))
+        self.land(keep)
+
+    def land(self, keep: int | None = 0) -> None:
+        """Finish sent buckets, oldest first: all beyond `keep`, and any already complete."""
+        while self._sent and ((keep is not None and len(self._sent) > keep)
+                              or self._sent[0].work.is_completed()):
+            self._finish_oldest()
+
+    def land_through(self, g: int) -> None:
+        """Finish every bucket sent up to and including group g (nothing if g is not sent)."""
+        if g in self:
+            while self._finish_oldest() != g:
+                pass
+
+    def _finish_oldest(self) -> int:
+        done = self._sent.popleft()
+        done.work.wait()
+        self._land(done.g, done.full, done.owned)
+        return done.g  # `done.full` goes out of scope here: a buffer of its own is freed
 
 
 # ---------------------------------------------------------------------- storage

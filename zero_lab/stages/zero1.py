@@ -25,13 +25,12 @@ The plain stage (`zero_lab/plain/stage1.py`, which reduces in `opt.step()`) plus
                                                         (for clipping and reads), as in DDP
     pre-divide, no_sync             zero1.py,           several backwards a step average right
                                       accumulation.py
-    reduce during backward;         reductions_in_flight.py
-      a step per bucket as it lands                     overlap (`overlap_grad_reduce`,
-                                                        `overlap_step`): the same bytes, earlier
+    reduce during backward;         partition.py's      overlap (`overlap_grad_reduce`,
+      a step per bucket as it lands   InFlight          `overlap_step`): the same bytes, earlier
     the all-gather under the next   param_gather.py     hides the gather; a raw read of a
       forward                                           parameter waits for its own bucket
     mixed precision, fp32 masters   mixed_precision.py  16-bit compute, the update in fp32
-    unused and frozen parameters    gradient_sync.py    a missing gradient named, or agreed on
+    unused and frozen parameters    unused_params.py    a missing gradient named, or agreed on
     lockstep, agreement, refusals   lockstep.py,        ranks that differ fail together, named;
                                       refusals.py       misuse refused before it trains wrong
     the direct exchange on gloo     collectives/        gloo runs a reduce-scatter as a whole
@@ -49,12 +48,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.stages.ddp import FullGradients
-from zero_lab.stages.gradient_sync import GradientSync
+from zero_lab.stages.gradient_sync import FullGradients, GradientSync
 from zero_lab.stages.mixed_precision import install_fresh_start, land_wide
-from zero_lab.stages.partition import FlatParamGroup, make_flat_groups
+from zero_lab.stages.partition import FlatParamGroup, InFlight, make_flat_groups
 from zero_lab.stages.ranks_agree import check_ranks_agree
-from zero_lab.stages.reductions_in_flight import InFlight
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
     make_plan,
@@ -81,7 +78,7 @@ class Zero1(GradientSync):
         super().__init__(groups, find_unused_parameters)
         self.variant = variant
         # Reduce-scatter each bucket as soon as its gradients are in, during backward, with
-        # stage 2's queue of buckets in flight (reductions_in_flight.py); else all when backward
+        # stage 2's queue of buckets in flight (partition.py's InFlight); else all when backward
         # ends.
         self.overlap_grad_reduce = overlap_grad_reduce
         self.reductions = InFlight(self._land)

@@ -20,13 +20,12 @@ The plain stage (`zero_lab/plain/stage2.py`) plus:
 
     addition                        module              why a real implementation needs it
     the all-gather under the next   param_gather.py,    hides the gather (a raw read waits for
-      forward; a step per bucket    reductions_in_flight.py
-      as its slice lands                                its bucket); the update overlaps the
-                                                        last reduce-scatters
+      forward; a step per bucket    partition.py's      its bucket); the update overlaps the
+      as its slice lands              InFlight          last reduce-scatters
     no_sync, `grad_accumulation`    accumulation.py     micro-batches: reduce-scatter each (the
       "sharded" or "unsharded"                          saving holds) or hold one full gradient
     mixed precision, fp32 masters   mixed_precision.py  16-bit compute, the update in fp32
-    unused and frozen parameters    gradient_sync.py    a missing gradient named, or agreed on
+    unused and frozen parameters    unused_params.py    a missing gradient named, or agreed on
     torch's clip_grad_norm_         torch_clipping.py   `.grad` is None: the slices' global norm
     lockstep, agreement, refusals   lockstep.py,        ranks that differ fail together, named;
                                       refusals.py       misuse refused before it trains wrong
@@ -41,8 +40,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.stages.gradient_sync import GradientSync, clear_grads
-from zero_lab.stages.partition import FlatParamGroup
-from zero_lab.stages.reductions_in_flight import InFlight
+from zero_lab.stages.partition import FlatParamGroup, InFlight
 
 
 class ShardedGradients:
@@ -57,7 +55,7 @@ class ShardedGradients:
         # under no_sync since the last one sent (None: nothing held).
         self.held: list[torch.Tensor | None] = [None] * n
         self.arrived: list[list[bool]] = [[False] * len(g.params) for g in sync.groups]
-        self.reductions = InFlight(self.land)  # sent, not landed (reductions_in_flight.py)
+        self.reductions = InFlight(self.land)  # sent, not landed
 
     def add(self, g: int, i: int, param: torch.Tensor) -> None:
         """Parameter i of bucket g: its gradient into the bucket's full buffer, then dropped."""

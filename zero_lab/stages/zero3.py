@@ -73,6 +73,7 @@ from zero_lab.stages.accumulation import FORWARDS_DIFFER, describe_forward, forw
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.lockstep import Lockstep
 from zero_lab.stages.units import Unit
+from zero_lab.stages.unused_params import refuse_unfrozen
 from zero_lab.stages.zero2 import ShardedGradients
 
 # ============================================================================ the stage
@@ -226,7 +227,7 @@ class Zero3(GradientSync):
     def _forward_start(self, root: int | None, module: nn.Module, args) -> None:
         if torch.compiler.is_compiling():  # true only while torch.compile traces
             _refuse_compile()
-        self._refuse_unfrozen()  # a sharded frozen piece would get a full-shaped gradient
+        refuse_unfrozen(self.frozen)  # a sharded frozen piece would get a full-shaped gradient
         if self.forward_order is None and self._forward_record is None:
             self._forward_record = []
         self._gathers = []
