@@ -56,12 +56,12 @@ MECHANISM = {
     "zero3.py": {"Zero3.gather", "Zero3.release", "Zero3._forward_start", "Zero3._pre_forward",
                  "Zero3._post_forward", "Zero3._forward_end", "Zero3._pre_backward",
                  "Zero3.on_group_ready", "Zero3.on_backward_end", "Zero3.before_step",
-                 "Zero3.after_step", "Zero3.zero_grad", "Zero3._prefetch", "_tensors",
+                 "Zero3.after_step", "Zero3.zero_grad", "_tensors",
                  "_in_backward", "Zero3._give_out_grads", "Zero3._take_grads",
-                 "Zero3.on_param_grad"},
-    "units.py": {"Unit.start_gather", "Unit.finish_gather", "Unit.release", "Unit.pieces",
-                 "Unit.gathered", "Unit.busy", "Unit.params", "ShardedPart.start_gather",
-                 "ShardedPart.finish_gather", "ShardedPart.release", "ShardedPart.pieces"},
+                 "Zero3.on_param_grad", "Unit.start_gather", "Unit.finish_gather",
+                 "Unit.release", "Unit.pieces", "Unit.gathered", "Unit.busy", "Unit.params",
+                 "ShardedPart.start_gather", "ShardedPart.finish_gather", "ShardedPart.release",
+                 "ShardedPart.pieces"},
     "partition.py": {"FlatParamGroup.new_full", "FlatParamGroup.new_shard",
                      "FlatParamGroup.shard", "FlatParamGroup.views", "FlatParamGroup.view",
                      "FlatParamGroup.reduce_scatter", "FlatParamGroup.all_gather",
@@ -98,8 +98,8 @@ def classify(rel: str, qualname: str, line: int | None = None) -> str:
 
 
 # Whole files of stages/ that the plain stage has nothing of: every function there an add-on.
-ADD_ON_FILES = {"lockstep.py", "unused_params.py", "at_rest.py", "param_gather.py",
-                "accumulation.py", "refusals.py", "ranks_agree.py", "buffers.py",
+ADD_ON_FILES = {"lockstep.py", "unused_params.py", "unit_order.py", "at_rest.py", "param_gather.py",
+                "accumulation.py", "refusals.py", "buffers.py",
                 "mixed_precision.py", "torch_clipping.py", "state_dicts.py", "recompute.py",
                 "hybrid.py"}
 # Functions of mechanism files that serve an option, a check or instrumentation.
@@ -113,12 +113,10 @@ ADD_ONS = {
                          "GradientSync.settle", "GradientSync.landing_order"},
     "zero1.py": set(), "ddp.py": set(),
     "zero2.py": {"Zero2.defers", "Zero2.grad_buffers", "ShardedGradients.abandon"},
-    "zero3.py": {"Zero3._check_same_unit", "Zero3._learn", "Zero3._open_span",
-                 "Zero3._close_span", "Zero3._event", "Zero3._follows_recorded_order",
-                 "Zero3._watch_inputs", "Zero3._inputs_done", "Zero3._check_forward_lockstep",
-                 "Zero3.before_first_collective", "Zero3._refuse_compile", "Zero3.defers",
-                 "Zero3.grad_buffers"},
-    "units.py": {"Unit.drop_post", "Unit.reshard_after_forward", "Unit.name"},
+    "zero3.py": {"Zero3._open_span", "Zero3._close_span", "Zero3._event",
+                 "Zero3._watch_inputs", "Zero3._inputs_done", "Zero3.before_first_collective",
+                 "Zero3.defers", "Zero3.grad_buffers", "Unit.drop_post",
+                 "Unit.reshard_after_forward", "Unit.name"},
     "partition.py": {"FlatParamGroup.sends"},
     "sharded_optimizer.py": {"_refuse_step"},
 }

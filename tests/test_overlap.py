@@ -1,4 +1,4 @@
-"""shard()'s overlap options (stages/param_gather.py, stages/reductions_in_flight.py), from
+"""shard()'s overlap options (stages/param_gather.py, InFlight in stages/partition.py), from
 the "overlap" part of tests/workers/world_cases.py (tests/workers/overlap_cases.py): every
 variant trains as one process on the global batch, bit for bit as its plain stage, sends the
 same bytes per step, and every reader outside a forward waits for what is still in flight

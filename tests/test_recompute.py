@@ -20,11 +20,8 @@ from zero_lab.grading import nb08_knobs_recompute as checks
 from zero_lab.measure.memory import saved_activation_bytes
 from zero_lab.predict import projection
 from zero_lab.predict import recompute as T
-from zero_lab.stages.recompute import (
-    check_checkpoint_activations,
-    modules_to_recompute,
-    recompute,
-)
+from zero_lab.stages.recompute import modules_to_recompute, recompute
+from zero_lab.stages.refusals import check_checkpoint_activations
 
 GB = 10**9
 FP32_ATOL = 1e-6

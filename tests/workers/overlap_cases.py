@@ -1,5 +1,5 @@
 """Per-rank cases for tests/test_overlap.py: shard()'s overlap options (stages/param_gather.py,
-stages/reductions_in_flight.py) train as one process does, send the same bytes, and every reader of
+InFlight in stages/partition.py) train as one process does, send the same bytes, and every reader of
 parameters or gradients outside a forward waits for what is still in flight.
 
 Equivalence: each variant trains 3 steps of a small model (width 64, a bucket per layer) and

@@ -17,8 +17,7 @@ R + mean(L): accumulation stays right.
 The plain stage (`zero_lab/plain/stage0.py`, which copies each gradient into its bucket) plus
 no_sync (accumulation.py: one all-reduce per optimizer step), unused and frozen parameters
 (unused_params.py), mixed precision (mixed_precision.py), DDP's broadcast_buffers
-(buffers.py), and the lockstep, agreement and refusal checks (lockstep.py, ranks_agree.py,
-refusals.py).
+(buffers.py), and the lockstep, agreement and refusal checks (lockstep.py, refusals.py).
 """
 
 from __future__ import annotations

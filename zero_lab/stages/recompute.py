@@ -45,24 +45,6 @@ from zero_lab.stages.units import unit_modules
 RECOMPUTED_ATTR = "_zero_lab_recomputed"  # set on a module whose forward is recomputed
 
 
-def check_checkpoint_activations(value) -> None:
-    """False, True, or a non-empty tuple/list of nn.Module subclasses."""
-    if isinstance(value, bool):
-        return
-    if (isinstance(value, (tuple, list)) and value
-            and all(isinstance(c, type) and issubclass(c, nn.Module) for c in value)):
-        return
-    raise TypeError("checkpoint_activations must be True, False or a tuple of nn.Module "
-                    f"classes (e.g. (Block,)), got {value!r}")
-
-
-def describe(value) -> str | list[str]:
-    """How the ranks compare the setting (ranks_agree.py): classes by name."""
-    if isinstance(value, bool):
-        return str(value)
-    return [getattr(c, "__qualname__", repr(c)) for c in value]
-
-
 def modules_to_recompute(model: nn.Module, value, unit_classes: Sequence[type] | None = None
                          ) -> list[tuple[str, nn.Module]]:
     """(name, module) of every module `checkpoint_activations=value` recomputes, outermost
@@ -82,7 +64,7 @@ def modules_to_recompute(model: nn.Module, value, unit_classes: Sequence[type] |
             seen.add(id(module))
             outermost.append((name, module))
     if not outermost:
-        raise ValueError(f"checkpoint_activations={describe(value)!r} chose no module of this "
+        raise ValueError(f"checkpoint_activations={value!r} chose no module of this "
                          "model to recompute (the root is never recomputed)")
     return outermost
 

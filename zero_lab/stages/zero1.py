@@ -51,14 +51,12 @@ from torch import nn
 from zero_lab.stages.gradient_sync import FullGradients, GradientSync
 from zero_lab.stages.mixed_precision import install_fresh_start, land_wide
 from zero_lab.stages.partition import FlatParamGroup, InFlight, make_flat_groups
-from zero_lab.stages.ranks_agree import check_ranks_agree
+from zero_lab.stages.refusals import ZERO1_VARIANTS, check_ranks_agree
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
     make_plan,
     refuse_outside_optimizers,
 )
-
-VARIANTS = ("reduce_scatter", "all_reduce")
 
 
 class Zero1(GradientSync):
@@ -70,8 +68,8 @@ class Zero1(GradientSync):
     def __init__(self, groups: list[FlatParamGroup], variant: str = "reduce_scatter",
                  reduce_in_step: bool = False, find_unused_parameters: bool = False,
                  overlap_grad_reduce: bool = False) -> None:
-        if variant not in VARIANTS:
-            raise ValueError(f"stage 1 variant must be one of {VARIANTS}, got {variant!r}")
+        if variant not in ZERO1_VARIANTS:
+            raise ValueError(f"stage 1 variant must be one of {ZERO1_VARIANTS}, got {variant!r}")
         if overlap_grad_reduce and (variant != "reduce_scatter" or reduce_in_step):
             raise ValueError("overlap_grad_reduce reduce-scatters during backward: not with "
                              "the all_reduce variant nor a reduction in step()")
