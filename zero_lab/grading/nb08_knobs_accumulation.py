@@ -1,7 +1,7 @@
 """Notebook 08, gradient accumulation: the checks its cells assert on the report of
 zero_lab/workers/knob_accumulation.py (one launch; see there for the runs).
 
-    check_bytes_match_formula   every run's ledger, op by op, equals knob_formulas'
+    check_bytes_match_formula   every run's ledger, op by op, equals predict/knobs.py's
                                 accumulation_messages: counts, bytes, ring bytes, volume
     check_held_between          what accumulation keeps between micro-batches, by
                                 construction: full gradients (stages 0, 1, "unsharded") or
@@ -9,7 +9,7 @@ zero_lab/workers/knob_accumulation.py (one launch; see there for the runs).
     check_zero2_pays_k_times    stage 2 "sharded" sends (k + 1)/2 times stage 1's bytes
     check_equal_to_one_process  every run's weights equal one process on the global batch
                                 (torch's FSDP2 runs too)
-    check_fsdp2_bytes_match_formula   FSDP2's ledger, op by op, equals knob_formulas'
+    check_fsdp2_bytes_match_formula   FSDP2's ledger, op by op, equals predict/knobs.py's
                                 fsdp2_accumulation_messages (gradient sync off for k - 1
                                 backwards, resharding after forward / backward or not)
     accumulation_rows           the table the notebook prints (step time as median, min-max)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import textwrap
 
 from zero_lab.course.formatting import spread
-from zero_lab.grading.nb08_knobs_accumulation import accumulation_rows as measured_rows
+from zero_lab.grading import nb08_knobs_accumulation
 from zero_lab.grading.nb08_knobs_accumulation import fsdp2_rows
-from zero_lab.grading.nb08_knobs_recompute import volume as ledger_volume
+from zero_lab.grading.nb08_knobs_recompute import volume
 
 KiB = 2**10
 WIDTH = 110  # the longest printed line
@@ -95,7 +95,7 @@ def accumulation_rows(report: dict) -> list[dict]:
 def recompute_rows(runs: list[dict]) -> list[dict]:
     """Two rows per stage, recompute on and off."""
     return [{"knob": f"recompute {'on' if run['recompute'] else 'off'}", "stage": run["stage"],
-             "bytes": ledger_volume(run["ledger"]),
+             "bytes": volume(run["ledger"]),
              "psi": 4 * sum(g["padded"] for g in run["groups"]),  # fp32 flat buffers
              "peak": run["peak_bytes"], "step": run["step_times"],
              "torch": RECOMPUTE_TORCH[0 if run["stage"] < 3 else 3] if run["recompute"] else ""}
@@ -105,7 +105,7 @@ def recompute_rows(runs: list[dict]) -> list[dict]:
 def precision_rows(runs: list[dict]) -> list[dict]:
     """One row per bf16 recipe: bytes per step (ledger), peak, step time."""
     return [{"knob": f"precision {run['recipe']}", "stage": run["stage"],
-             "bytes": ledger_volume(run["ledger"]), "peak": run["peak_bytes"],
+             "bytes": volume(run["ledger"]), "peak": run["peak_bytes"],
              "step": run["step_times"], "torch": PRECISION_TORCH.get(run["recipe"], "")}
             for run in runs]
 
@@ -165,7 +165,7 @@ def accumulation_text(report: dict) -> str:
     between micro-batches, peak, step), then FSDP2's beside the formula and the runs of ours
     that send the same bytes op by op. Every line at most WIDTH characters."""
     k = max(r["k"] for r in report["runs"])
-    ours = [r for r in measured_rows(report) if r["k"] == k]
+    ours = [r for r in nb08_knobs_accumulation.accumulation_rows(report) if r["k"] == k]
     unit, size = unit_for(KiB * max(max(r["sent KiB"], r["peak KiB"]) for r in ours))
     scale = KiB / size  # the rows are in KiB
     lines = [f"k = {k}, rank 0{'':14s}{'sent ' + unit:>9s}  vol Ψ  {'grads ' + unit:>10s}  "
