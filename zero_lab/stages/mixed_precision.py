@@ -39,9 +39,9 @@ A precision *policy* refines the recipe in two ways, as torch FSDP2's MixedPreci
   optimizer steps on (`sync.main_grads`; FSDP2 casts the reduce-scatter's output to its
   fp32 sharded parameter's dtype). The 16-bit `.grad` beside it shows its rounding; the
   fp32 average adds 4 bytes an element of what the rank steps (its slice; at stage 0 the
-  whole) from backward to zero_grad, which `measured.held_bytes` does not count. Summing N
-  16-bit gradients on the way rounds at every partial sum and the 16-bit average once more;
-  in fp32 the step sees the average unrounded, at every N (N = 2 included). Accumulating
+  whole) from backward to zero_grad, which `measure.memory.held_bytes` does not count.
+  Summing N 16-bit gradients on the way rounds at every partial sum and the 16-bit average
+  once more; in fp32 the step sees the average unrounded, at every N (N = 2 included). Accumulating
   backwards add their fp32 averages in fp32 at every stage (stages 0-1 clear their 16-bit
   buffer's rounding before the next backward adds into it: install_fresh_start).
 """
