@@ -36,29 +36,29 @@ PACKAGE = Path(__file__).resolve().parents[1] / "zero_lab"
 
 # stages/<file>: qualified names of functions that are the plain stage's mechanism
 MECHANISM = {
-    "gradient_sync.py": {"_weak_hook", "GradientSync._on_grad_accumulated",
-                         "GradientSync.queue_backward_callback",
-                         "GradientSync._hand_over_ready_groups", "GradientSync._hand_over",
-                         "GradientSync._on_backward_done", "GradientSync.before_step",
+    "gradient_sync.py": {"_weak_hook", "GradientSync.gradient_arrived",
+                         "GradientSync.queue_backward_callback", "GradientSync.groups_ready",
+                         "GradientSync.backward_over", "GradientSync.groups_left",
+                         "GradientSync._first_collective_checked", "GradientSync.before_step",
                          "GradientSync.all_gather_params", "GradientSync.finish_reductions",
                          "clear_grads", "FullGradients.__init__", "FullGradients.zero_grad",
                          "FullGradients.adopt", "FullGradients.adopt_all"},
-    "ddp.py": {"DataParallel.on_param_grad", "DataParallel.on_group_ready",
-               "DataParallel.on_backward_end", "DataParallel.zero_grad"},
-    "zero1.py": {"Zero1.on_param_grad", "Zero1.on_group_ready", "Zero1.on_backward_end",
+    "ddp.py": {"DataParallel.on_grad", "DataParallel.on_group_ready",
+               "DataParallel.end_of_backward", "DataParallel.zero_grad"},
+    "zero1.py": {"Zero1.on_grad", "Zero1.on_group_ready", "Zero1.end_of_backward",
+                 "Zero1.reduce_when_backward_ends",
                  "Zero1.reduce_gradients", "Zero1.before_step", "Zero1.after_step",
                  "Zero1.zero_grad", "Zero1._land_slice", "Zero1._slice_dtype",
                  "Zero1._pre_divide"},
-    "zero2.py": {"Zero2.on_param_grad", "Zero2.on_group_ready", "Zero2._land",
-                 "Zero2.on_backward_end", "Zero2.after_step", "Zero2.zero_grad",
+    "zero2.py": {"Zero2.on_grad", "Zero2.end_of_backward", "Zero2.after_step", "Zero2.zero_grad",
                  "ShardedGradients.add", "ShardedGradients.send", "ShardedGradients.land",
                  "ShardedGradients.zero_grad"},
     "zero3.py": {"Zero3.gather", "Zero3.release", "Zero3._forward_start", "Zero3._pre_forward",
                  "Zero3._post_forward", "Zero3._forward_end", "Zero3._pre_backward",
-                 "Zero3.on_group_ready", "Zero3.on_backward_end", "Zero3.before_step",
+                 "Zero3.on_group_ready", "Zero3.end_of_backward", "Zero3.before_step",
                  "Zero3.after_step", "Zero3.zero_grad", "_tensors",
                  "_in_backward", "Zero3._give_out_grads", "Zero3._take_grads",
-                 "Zero3.on_param_grad", "Unit.start_gather", "Unit.finish_gather",
+                 "Zero3.on_grad", "Unit.start_gather", "Unit.finish_gather",
                  "Unit.release", "Unit.pieces", "Unit.gathered", "Unit.busy", "Unit.params",
                  "ShardedPart.start_gather", "ShardedPart.finish_gather", "ShardedPart.release",
                  "ShardedPart.pieces"},
@@ -78,7 +78,7 @@ MECHANISM = {
 ADD_ON_WORDS = re.compile(
     r"defers|_syncing|_held\b|held\b|lockstep|check_|refuse|replicated|wide|main_grad|overlap|"
     r"span|_event|mark\(|_kept|_withheld|reshard|post_group|frozen|_late|_pending_inputs|"
-    r"find_unused|has_grad|unsynced|_arrived_here|_arrived_unsynced|_agree_on_grads|"
+    r"find_unused|has_grad|unsynced|_arrived_here|_arrived_unsynced|agree_on_grads|"
     r"abandon|_checked|steps_taken|backwards_since|_record|_derailed|_position|_gathers|"
     r"is_compiling|compile|param_gather|rounding|fresh_start|_holds_average|reduce_in_step|"
     r"variant|_grads_in|step_starts|step_ends|before_first_collective|on_event")

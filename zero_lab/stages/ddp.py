@@ -50,9 +50,14 @@ class DataParallel(GradientSync):
         # (group, its all-reduce in flight, the fp32 buffer it reduces or None)
         self._in_flight: list[tuple[int, dist.Work, torch.Tensor | None]] = []
         install_fresh_start(self)  # reduce_dtype=float32: accumulation in fp32
+        self.hook_each_gradient(self.on_grad)
 
-    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+    def on_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        """Parameter i of bucket g has its gradient: into the bucket; a full bucket out."""
+        self.gradient_arrived(g, i)  # (the first of a backward queues end_of_backward)
         self.grads.adopt(g, i, param)
+        for ready in self.groups_ready(g):  # all in, in the order every rank sends
+            self.on_group_ready(ready)
 
     def on_group_ready(self, g: int) -> None:
         # The bucket is complete: start averaging it across ranks, and do not wait.
@@ -72,10 +77,13 @@ class DataParallel(GradientSync):
                 land_wide(self, g, wide, self.grad_buffers[g])
         self._in_flight.clear()
 
-    def on_backward_end(self) -> None:
+    def end_of_backward(self) -> None:
+        for g in self.groups_left():  # a parameter unused this backward: zeros, still sent
+            self.on_group_ready(g)
         self._land_all()
         for step_param, grad in zip(self.step_params, self.grad_buffers, strict=True):
             step_param.grad = grad  # the averaged gradients (None since a zero_grad)
+        self.backward_over()
 
     def on_backward_abandoned(self) -> None:
         self._land_all()

@@ -1,19 +1,20 @@
 """What every data-parallel stage does during backward: hooks, buckets, the final callback.
 
-Stages 0, 1 and 2 differ only in *what they do with a gradient* and *when*; the plumbing that
-tells them "this parameter's gradient is ready", "this whole group (bucket) is ready" and
-"backward is over" is shared, and lives here:
+Each stage registers its own gradient hook (`on_grad`) and writes its own end of backward
+(`end_of_backward`), as the plain stages do; the calls they share live here:
 
-- a post-accumulate-grad hook on every trainable parameter fires once per backward, after
-  autograd has added this backward's contribution to `p.grad` (a tied weight used twice
-  still fires once, with both contributions summed);
-- groups are handed to the stage in one fixed order (`handover_order`), a group only once
-  all groups before it were, so every rank issues the same collectives in the same order
-  even when readiness differs (a rank that did not use a parameter this step);
-- the first hook of a backward queues a callback on the autograd engine
-  (`Variable._execution_engine.queue_callback`, as torch's DDP does): it runs when backward
-  has finished, flushes the groups whose gradients never arrived and lets the stage wait for
-  its collectives in flight. So when `loss.backward()` returns, gradients are final.
+- `hook_each_gradient(on_grad)`: a post-accumulate-grad hook on every trainable parameter,
+  which fires once per backward, after autograd has added this backward's contribution to
+  `p.grad` (a tied weight used twice still fires once, with both contributions summed);
+- `gradient_arrived(g, i)`: the first of a backward queues the stage's `end_of_backward` on
+  the autograd engine (`Variable._execution_engine.queue_callback`, as torch's DDP does), so
+  when `loss.backward()` returns, gradients are final;
+- `groups_ready(g)`: the groups whose gradients are all in, in one fixed order
+  (`handover_order`), a group only once all groups before it were, so every rank issues the
+  same collectives in the same order even when readiness differs (a rank that did not use a
+  parameter this step); `groups_left()` at the end of backward: those that never filled;
+- `backward_over()`: which parameters have a gradient (unused_params.py), no_sync's
+  bookkeeping.
 - a backward that raises (an out-of-memory error caught by an OOM-skip loop, a NaN guard)
   never reaches that callback: the next `zero_grad()` or backward notices the callback still
   pending, finishes the collectives that backward had started (every rank started the same
@@ -24,7 +25,7 @@ tells them "this parameter's gradient is ready", "this whole group (bucket) is r
 Which parameters have a gradient at all (unused and frozen ones) is unused_params.py's
 check, one call when backward ends.
 
-A stage subclasses `GradientSync` and fills in the methods at the bottom.
+A stage subclasses `GradientSync` and defines the methods at the bottom.
 
 Not supported (as with torch's DDP without static_graph): reentrant activation
 checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`), whose inner backward
@@ -46,19 +47,20 @@ from zero_lab.stages.partition import FlatParamGroup, InFlight
 from zero_lab.stages.unused_params import agree_on_grads, refuse_unfrozen
 
 
-def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], None]:
-    """The post-accumulate-grad hook of parameter i of group g; it holds `sync` weakly.
+def _weak_hook(on_grad: Callable, g: int, i: int) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of parameter i of group g: `on_grad(g, i, param)`, a
+    stage's method, held weakly.
 
     torch keeps a tensor's post-accumulate-grad hooks where Python's garbage collector cannot
-    see them: a hook holding `sync`, which holds the parameters, would be a reference cycle
-    that is never freed, and a dropped model would keep its memory for good.
+    see them: a hook holding the stage, which holds the parameters, would be a reference
+    cycle that is never freed, and a dropped model would keep its memory for good.
     """
-    ref = weakref.ref(sync)
+    ref = weakref.WeakMethod(on_grad)
 
     def hook(param: torch.Tensor) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._on_grad_accumulated(g, i, param)
+        method = ref()
+        if method is not None:
+            method(g, i, param)
 
     return hook
 
@@ -120,14 +122,24 @@ class GradientSync:
         # the optimizer steps on; `.grad` shows its rounding. None: none since zero_grad.
         self.main_grads: list[torch.Tensor | None] = [None] * len(groups)
         self._hook_handles: list = []
-        for g, group in enumerate(groups):
-            for i, p in enumerate(group.params):
-                hook = _weak_hook(self, g, i)
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     # ------------------------------------------------------------------ plumbing
+    def hook_each_gradient(self, on_grad: Callable[[int, int, torch.Tensor], None]) -> None:
+        """`on_grad(g, i, param)` once per backward for parameter i of group g, when its
+        gradient is complete (a post-accumulate-grad hook)."""
+        for g, group in enumerate(self.groups):
+            for i, p in enumerate(group.params):
+                hook = _weak_hook(on_grad, g, i)
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def gradient_arrived(self, g: int, i: int) -> None:
+        """Parameter i of group g has its gradient (the first of a backward queues
+        `end_of_backward`)."""
+        self.queue_backward_callback()
+        self._arrived_here[g][i] = True
+
     def queue_backward_callback(self) -> None:
-        """Once per backward: ask autograd to call `_on_backward_done` when it finishes."""
+        """Once per backward: ask autograd to call `end_of_backward` when it finishes."""
         task = torch._C._current_graph_task_id()
         if self._callback_queued:
             if task == self._backward_task:
@@ -136,7 +148,7 @@ class GradientSync:
         self._callback_queued = True
         self._syncing = self.requires_sync  # this whole backward sends, or keeps, its gradients
         self._backward_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_done)
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
 
     def abandon_unfinished_backward(self) -> None:
         """If a backward raised before its end-of-backward callback ran, put the stage back
@@ -154,35 +166,37 @@ class GradientSync:
         self._callback_queued = False
         self._backward_task = -1
 
-    def _on_grad_accumulated(self, g: int, i: int, param: torch.Tensor) -> None:
-        self.queue_backward_callback()
-        self._arrived_here[g][i] = True
-        self.on_param_grad(g, i, param)
+    def groups_ready(self, g: int) -> list[int]:
+        """One more gradient of group g is in: the groups to send now, in `handover_order`
+        (all their gradients in, every group before them sent)."""
         self._ready_params[g] += 1
-        self._hand_over_ready_groups()
-
-    def _hand_over_ready_groups(self) -> None:
-        """Hand over, in `handover_order`, every group whose gradients have all arrived."""
-        order = self.handover_order
+        order, ready = self.handover_order, []
         while self._handed_over < len(order):
-            g = order[self._handed_over]
-            if self._ready_params[g] < len(self.groups[g].params):
-                return  # later groups wait for this one: every rank keeps the same order
-            self._hand_over(g)
+            h = order[self._handed_over]
+            if self._ready_params[h] < len(self.groups[h].params):
+                break  # later groups wait for this one: every rank keeps the same order
+            ready.append(h)
+            self._handed_over += 1
+        return self._first_collective_checked(ready)
 
-    def _hand_over(self, g: int) -> None:
-        if self._handed_over == 0 and not self.defers():
-            self.before_first_collective("backward")
-        self.on_group_ready(g)
-        self._handed_over += 1
-
-    def _on_backward_done(self) -> None:
+    def groups_left(self) -> list[int]:
+        """At the end of backward: the groups never filled, in order. They hold parameters
+        that got no gradient in this backward (unused this step): their gradient is zero,
+        and every rank must still join their collectives. (First, a parameter unfrozen since
+        shard() is refused: unused_params.py.)"""
         refuse_unfrozen(self.frozen)
-        # Groups still waiting hold parameters that got no gradient in this backward (unused
-        # this step): their gradient is zero, and every rank must still join the collective.
-        while self._handed_over < len(self.handover_order):
-            self._hand_over(self.handover_order[self._handed_over])
-        self.on_backward_end()
+        left = self.handover_order[self._handed_over:]
+        self._handed_over = len(self.handover_order)
+        return self._first_collective_checked(left)
+
+    def _first_collective_checked(self, groups: list[int]) -> list[int]:
+        if groups and self._handed_over == len(groups) and not self.defers():
+            self.before_first_collective("backward")  # lockstep.py, before the first send
+        return groups
+
+    def backward_over(self) -> None:
+        """The end of `end_of_backward`: which parameters have a gradient now, on every rank
+        (unused_params.py), and the bookkeeping of one more backward."""
         agree_on_grads(self)
         self.unsynced = self.defers()
         self.backwards_since_step += 1
@@ -291,14 +305,10 @@ class GradientSync:
         return self.groups[g].flat
 
     # ------------------------------------------------------------------ what stages define
-    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
-        """`param`, the i-th of group g, has this backward's gradient in `param.grad`."""
-
-    def on_group_ready(self, g: int) -> None:
-        """Every gradient of group g has arrived (called in group order, once per backward)."""
-
-    def on_backward_end(self) -> None:
-        """Backward is over: finish the communication; `step_params[i].grad` must be final."""
+    def end_of_backward(self) -> None:
+        """Backward is over: send `groups_left()`, finish the communication (each
+        `step_params[i].grad` final), then `backward_over()`."""
+        raise NotImplementedError
 
     def on_backward_abandoned(self) -> None:
         """A backward raised half-way: finish what it sent, drop what it half-filled."""

@@ -99,6 +99,7 @@ class Zero1(GradientSync):
                 for p in group.params:
                     self._hook_handles.append(p.register_hook(self._pre_divide))
         install_fresh_start(self)  # reduce_dtype=float32: accumulation in fp32
+        self.hook_each_gradient(self.on_grad)
 
     def _pre_divide(self, grad: torch.Tensor) -> torch.Tensor | None:
         # Before autograd adds into the buffer, the last backward's reductions land
@@ -109,8 +110,12 @@ class Zero1(GradientSync):
             self.finish_reductions()
         return grad / self.world_size if self._holds_average else None  # None: unchanged
 
-    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+    def on_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        """Parameter i of bucket g has its gradient: into the full buffer (stage 0's)."""
+        self.gradient_arrived(g, i)  # (the first of a backward queues end_of_backward)
         self.grads.adopt(g, i, param)
+        for ready in self.groups_ready(g):  # all in, in the order every rank sends
+            self.on_group_ready(ready)
 
     def on_group_ready(self, g: int) -> None:
         if not self.overlap_grad_reduce or self.defers():
@@ -144,7 +149,13 @@ class Zero1(GradientSync):
         self._land_slice(g, buf, owned)
         self.step_params[g].grad = self.groups[g].shard(buf)  # None since a zero_grad
 
-    def on_backward_end(self) -> None:
+    def end_of_backward(self) -> None:
+        for g in self.groups_left():  # a parameter unused this backward: zeros, still sent
+            self.on_group_ready(g)
+        self.reduce_when_backward_ends()
+        self.backward_over()
+
+    def reduce_when_backward_ends(self) -> None:
         if self.defers():  # no_sync: the gradients stay in the full buffer, summed locally
             for g in range(len(self.groups)):
                 self.grads.adopt_all(g)

@@ -153,16 +153,23 @@ class Zero2(GradientSync):
                              for group in groups]
         self.grads = ShardedGradients(self, self.MAX_IN_FLIGHT)
         self.reductions = self.grads.reductions
+        self.hook_each_gradient(self.on_grad)
 
-    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+    def on_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        """Parameter i of bucket g has its gradient: into the bucket's full buffer, `.grad`
+        dropped; a full bucket goes out (REDUCE-SCATTER)."""
+        self.gradient_arrived(g, i)  # (the first of a backward queues end_of_backward)
         self.grads.add(g, i, param)
+        for ready in self.groups_ready(g):  # all in, in the order every rank sends
+            self.grads.send(ready)
 
-    def on_group_ready(self, g: int) -> None:
-        self.grads.send(g)
-
-    def on_backward_end(self) -> None:
+    def end_of_backward(self) -> None:
+        """Wait for the last reduce-scatters: each rank holds its slices' averaged gradient."""
+        for g in self.groups_left():  # a parameter unused this backward: zeros, still sent
+            self.grads.send(g)
         # overlap_step: the last buckets land inside opt.step(), each just before its update
         self.reductions.land(keep=None if self.overlap_step else 0)
+        self.backward_over()
 
     def on_backward_abandoned(self) -> None:
         self.grads.abandon()

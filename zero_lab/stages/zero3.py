@@ -251,6 +251,7 @@ class Zero3(GradientSync):
         # path lands each unit's averaged gradient slice on it.
         self.step_params += [nn.Parameter(u.local, requires_grad=False) for u in units]
         self.grads = ShardedGradients(self, self.MAX_IN_FLIGHT)
+        self.hook_each_gradient(self.on_grad)
         self.reductions = self.grads.reductions
         self.units = units
         self.reshard_after_forward = reshard_after_forward
@@ -399,8 +400,13 @@ class Zero3(GradientSync):
     def grad_buffers(self) -> list[torch.Tensor]:  # held under no_sync: measure/memory.py's
         return [h for h in self.grads.held if h is not None]
 
-    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
-        self.grads.add(g, i, param)  # into the unit's full gradient buffer (stage 2's path)
+    def on_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        """Parameter i of unit g has its gradient: into the unit's full gradient buffer
+        (stage 2's path); a unit whose gradients are all in is released and sent."""
+        self.gradient_arrived(g, i)  # (queued end_of_backward already: _pre_backward)
+        self.grads.add(g, i, param)
+        for ready in self.groups_ready(g):  # all in, in the order every rank sends
+            self.on_group_ready(ready)
 
     def _pre_backward(self, u: int, _grad: torch.Tensor) -> None:
         self.queue_backward_callback()
@@ -455,7 +461,9 @@ class Zero3(GradientSync):
             self._event("reduce_scatter", g)
         self.grads.send(g)  # REDUCE-SCATTER, as stage 2 sends a bucket
 
-    def on_backward_end(self) -> None:
+    def end_of_backward(self) -> None:
+        for g in self.groups_left():  # a unit with a parameter unused: zeros, still sent
+            self.on_group_ready(g)
         self.finish_reductions()  # wait for the last reduce-scatters
         self._pending_inputs, self._grads_in = [0] * len(self.units), set()
         for unit in self.units:
@@ -466,6 +474,7 @@ class Zero3(GradientSync):
         self._give_out_grads()
         self._grads_taken = [False] * len(self.units)
         self.order.backward_ends()
+        self.backward_over()
 
     def on_backward_abandoned(self) -> None:
         self.grads.abandon()
