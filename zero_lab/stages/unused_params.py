@@ -40,31 +40,19 @@ def refuse_unfrozen(frozen: list[tuple[str, nn.Parameter]]) -> None:
 def agree_on_grads(sync) -> None:
     """Every rank learns which parameters have a gradient now; `.grad` follows (`sync`: the
     stage, a gradient_sync.GradientSync)."""
-    arrived_here = sync._arrived_here
-    sync._arrived_here = [[False] * len(g.params) for g in sync.groups]
-    if sync.find_unused_parameters:  # the ranks agree once, when the gradients are sent
-        if sync._arrived_unsynced is not None:
-            arrived_here = [[a or b for a, b in zip(x, y, strict=True)]
-                            for x, y in zip(arrived_here, sync._arrived_unsynced,
-                                            strict=True)]
-            sync._arrived_unsynced = None
-        if sync.defers():
-            sync._arrived_unsynced = arrived_here
-            return
-    if not sync.find_unused_parameters:
-        missing = sorted(name for group, arrived in zip(sync.groups, arrived_here,
-                                                        strict=True)
-                         for name, a in zip(group.names, arrived, strict=True) if not a)
-        if missing:
-            raise RuntimeError(
-                f"{len(missing)} trainable parameter(s) got no gradient in this backward "
-                f"on rank {sync.groups[0].rank}: {', '.join(missing[:5])}"
-                f"{' ...' if len(missing) > 5 else ''}. If the model really leaves "
-                "parameters unused in some steps (or on some ranks), pass "
-                "find_unused_parameters=True to shard(), as with torch's DDP (one more "
-                "small all-reduce per backward); else make every parameter take part in "
-                "the loss, or freeze it (requires_grad=False) before shard()")
+    arrived_here, sync._arrived_here = sync._arrived_here, [[False] * len(g.params)
+                                                            for g in sync.groups]
+    if not sync.find_unused_parameters:  # torch DDP's default: each got one on every rank
+        if not all(map(all, arrived_here)):
+            raise RuntimeError(_missing(sync, arrived_here))
         sync.has_grad = [[True] * len(g.params) for g in sync.groups]
+        return
+    if sync._arrived_unsynced is not None:  # the ranks agree once, when the gradients are sent
+        arrived_here = [[a or b for a, b in zip(x, y, strict=True)]
+                        for x, y in zip(arrived_here, sync._arrived_unsynced, strict=True)]
+        sync._arrived_unsynced = None
+    if sync.defers():
+        sync._arrived_unsynced = arrived_here
         return
     flags = torch.tensor([a or h for arrived, had in zip(arrived_here, sync.has_grad,
                                                            strict=True)
@@ -79,3 +67,15 @@ def agree_on_grads(sync) -> None:
         for p, has in zip(group.params, sync.has_grad[g], strict=True):
             if not has:
                 p.grad = None
+
+
+def _missing(sync, arrived_here: list[list[bool]]) -> str:
+    missing = sorted(name for group, arrived in zip(sync.groups, arrived_here, strict=True)
+                     for name, a in zip(group.names, arrived, strict=True) if not a)
+    return (f"{len(missing)} trainable parameter(s) got no gradient in this backward "
+            f"on rank {sync.groups[0].rank}: {', '.join(missing[:5])}"
+            f"{' ...' if len(missing) > 5 else ''}. If the model really leaves "
+            "parameters unused in some steps (or on some ranks), pass "
+            "find_unused_parameters=True to shard(), as with torch's DDP (one more "
+            "small all-reduce per backward); else make every parameter take part in "
+            "the loss, or freeze it (requires_grad=False) before shard()")
