@@ -40,7 +40,7 @@ MECHANISM = {
                          "GradientSync.queue_backward_callback", "GradientSync.groups_ready",
                          "GradientSync.backward_over", "GradientSync.groups_left",
                          "GradientSync._first_collective_checked", "GradientSync.before_step",
-                         "GradientSync.all_gather_params", "GradientSync.finish_reductions",
+                         "GradientSync.all_gather_params", "GradientSync.land_reductions",
                          "clear_grads", "FullGradients.__init__", "FullGradients.zero_grad",
                          "FullGradients.adopt", "FullGradients.adopt_all"},
     "ddp.py": {"DataParallel.on_grad", "DataParallel.on_group_ready",
@@ -67,7 +67,7 @@ MECHANISM = {
                      "FlatParamGroup.reduce_scatter", "FlatParamGroup.all_gather",
                      "FlatParamGroup.all_reduce", "FlatParamGroup.flat", "free_storage",
                      "regrow_storage", "allocate_storage", "FlatParamGroup.shard_range",
-                     "InFlight.send", "InFlight.land", "InFlight._finish_oldest"},
+                     "InFlight.send", "InFlight.land", "InFlight._land_oldest"},
     "sharded_optimizer.py": {"ShardedOptimizer.step", "ShardedOptimizer.zero_grad",
                              "ShardedOptimizer._step", "ShardedOptimizer._update"},
 }

@@ -195,7 +195,7 @@ def switch_off_waits(opt) -> None:
     if sync.param_gather is not None:
         sync.param_gather.wait = lambda g: None
         sync.param_gather.wait_all = lambda: None
-    sync.finish_reductions = lambda: None
+    sync.land_reductions = lambda: None
 
 
 def after_one_step(variant: str, rank: int, world: int, mutant: bool, k: int = 1):

@@ -222,7 +222,7 @@ class GradientSync:
         if self.param_gather is not None:
             self.param_gather.wait_all()
 
-    def finish_reductions(self) -> None:
+    def land_reductions(self) -> None:
         """Every gradient reduction still in flight has landed (stages 1-2 send them)."""
         if self.reductions is not None:
             self.reductions.land(keep=0)
@@ -234,7 +234,7 @@ class GradientSync:
 
     def settle(self) -> None:
         """Nothing in flight any more: gradients final, parameters whole."""
-        self.finish_reductions()
+        self.land_reductions()
         self.wait_for_params()
 
     def landing_order(self) -> list[int]:

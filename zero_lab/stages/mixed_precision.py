@@ -236,7 +236,7 @@ def _fresh_start(ref, _grad: torch.Tensor) -> None:
     if sync is None:
         return
     if not sync._callback_queued:  # this backward's first: what overlap_step left lands
-        sync.finish_reductions()
+        sync.land_reductions()
     if not any(sync.rounding_held):
         return
     for g, held in enumerate(sync.rounding_held):

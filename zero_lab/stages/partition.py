@@ -299,15 +299,15 @@ class InFlight:
         """Finish sent buckets, oldest first: all beyond `keep`, and any already complete."""
         while self._sent and ((keep is not None and len(self._sent) > keep)
                               or self._sent[0].work.is_completed()):
-            self._finish_oldest()
+            self._land_oldest()
 
     def land_through(self, g: int) -> None:
         """Finish every bucket sent up to and including group g (nothing if g is not sent)."""
         if g in self:
-            while self._finish_oldest() != g:
+            while self._land_oldest() != g:
                 pass
 
-    def _finish_oldest(self) -> int:
+    def _land_oldest(self) -> int:
         done = self._sent.popleft()
         done.work.wait()
         self._land(done.g, done.full, done.owned)

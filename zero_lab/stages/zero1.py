@@ -107,7 +107,7 @@ class Zero1(GradientSync):
         # Not in the middle of this backward (its own are in flight): only before its first
         # gradient, when its end-of-backward callback is not queued yet.
         if not self._callback_queued:
-            self.finish_reductions()
+            self.land_reductions()
         return grad / self.world_size if self._holds_average else None  # None: unchanged
 
     def on_grad(self, g: int, i: int, param: torch.Tensor) -> None:
@@ -166,7 +166,7 @@ class Zero1(GradientSync):
             self.reduce_gradients()
 
     def on_backward_abandoned(self) -> None:
-        self.finish_reductions()  # buckets already sent land, as gradients (see Zero2)
+        self.land_reductions()  # buckets already sent land, as gradients (see Zero2)
 
 
     def reduce_gradients(self) -> None:
@@ -211,7 +211,7 @@ class Zero1(GradientSync):
         self.all_gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.finish_reductions()  # overlap_step, no step since: they would land after it
+        self.land_reductions()  # overlap_step, no step since: they would land after it
         self.grads.zero_grad(set_to_none)
         self._holds_average = False
         self.drop_unsynced()

@@ -121,7 +121,7 @@ class ShardedGradients:
     def zero_grad(self, set_to_none: bool) -> None:
         """The stage's zero_grad: the gradient slices, and what no_sync held, dropped."""
         sync = self.sync
-        sync.finish_reductions()  # overlap_step, no step since: they would land after it
+        sync.land_reductions()  # overlap_step, no step since: they would land after it
         clear_grads(sync.step_params, set_to_none)  # the owned gradient slices
         if set_to_none:
             sync.clear_has_grad()

@@ -464,7 +464,7 @@ class Zero3(GradientSync):
     def end_of_backward(self) -> None:
         for g in self.groups_left():  # a unit with a parameter unused: zeros, still sent
             self.on_group_ready(g)
-        self.finish_reductions()  # wait for the last reduce-scatters
+        self.land_reductions()  # wait for the last reduce-scatters
         self._pending_inputs, self._grads_in = [0] * len(self.units), set()
         for unit in self.units:
             unit.drop_post()  # a unit whose backward did not come
