@@ -34,6 +34,7 @@ from zero_lab.stages.accumulation import (
     check_reshard_size,
     install_no_sync,
 )
+from zero_lab.stages.at_rest import guard_parameters
 from zero_lab.stages.buffers import BufferSync
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
@@ -184,6 +185,8 @@ def shard(
                          "ranks would agree on which parameters have gradients inside their "
                          "group only")
     check_model(model)
+    if stage == 3 or overlap_param_gather:  # new objects, once, before anything holds them
+        guard_parameters(model, frozen_too=stage == 3)  # (at_rest.py)
     shape = mesh_shape(mesh) if mesh is not None else None  # checked: no group made yet
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
