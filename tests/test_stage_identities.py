@@ -21,13 +21,13 @@ from zero_lab.launch.paths import REPO_ROOT
 
 STAGES = REPO_ROOT / "zero_lab" / "stages"
 MODULE_METHODS = {name for name in dir(nn.Module) if callable(getattr(nn.Module, name))}
-# Still to replace (issue 51, step 2): the parameter class swaps that guard a read of a
-# stage-3 parameter at rest and of a parameter whose all-gather is in flight (a class chosen
-# once, with the state a flag, needs new Parameter objects at shard(), as FSDP2 makes), and
-# `model.zero_grad = opt.zero_grad` (torch has no zero_grad hook, shard() returns the model
-# itself, and stage 2 leaves every `.grad` None: nothing nn.Module.zero_grad touches tells
-# the stage). Each count may only go down.
-NOT_YET = {"at_rest.py": 2, "param_gather.py": 2, "__init__.py": 1}
+# Still to replace (issue 51, step 2): `model.zero_grad = opt.zero_grad` (torch has no
+# zero_grad hook, shard() returns the model itself, and stage 2 leaves every `.grad` None:
+# nothing nn.Module.zero_grad touches tells the stage). The parameter class swaps that guarded
+# a read of a stage-3 parameter at rest and of one in flight are gone: shard() registers one
+# GuardedParameter in place of each, once, and its state is a flag (stages/at_rest.py). Each
+# count may only go down.
+NOT_YET = {"__init__.py": 1}
 
 
 def identity_edits(path: Path) -> list[str]:

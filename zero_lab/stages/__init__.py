@@ -30,6 +30,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.stages.accumulation import install_no_sync
+from zero_lab.stages.at_rest import guard_parameters
 from zero_lab.stages.buffers import BufferSync
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
@@ -165,6 +166,8 @@ def shard(
     options = {name: value for name, value in locals().items()
                if name not in ("model", "optimizer")}
     overlap_param_gather, overlap_grad_reduce = check_settings(model, options)
+    if stage == 3 or overlap_param_gather:  # new objects, once, before anything holds them
+        guard_parameters(model, frozen_too=stage == 3)  # (at_rest.py)
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
