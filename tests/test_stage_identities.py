@@ -21,12 +21,14 @@ from zero_lab.launch.paths import REPO_ROOT
 
 STAGES = REPO_ROOT / "zero_lab" / "stages"
 MODULE_METHODS = {name for name in dir(nn.Module) if callable(getattr(nn.Module, name))}
-# Still to replace (issue 51, step 2): `model.zero_grad = opt.zero_grad` (torch has no
-# zero_grad hook, shard() returns the model itself, and stage 2 leaves every `.grad` None:
-# nothing nn.Module.zero_grad touches tells the stage). The parameter class swaps that guarded
-# a read of a stage-3 parameter at rest and of one in flight are gone: shard() registers one
-# GuardedParameter in place of each, once, and its state is a flag (stages/at_rest.py). Each
-# count may only go down.
+# Kept, as a decision (issue 51): `model.zero_grad = opt.zero_grad`, said in shard()'s
+# docstring. Stage 2 keeps the gradients on the owned slices and leaves every `.grad` None, so
+# nothing nn.Module.zero_grad touches reaches them, and torch has no zero_grad hook. The other
+# ways are worse: torch's FSDP2 swaps the module's class (fully_shard's FSDPModule), which this
+# test forbids; DDP wraps the model, and shard() returns the model itself (the public API); a
+# stand-in `.grad` would break zero_grad(set_to_none=False) and show zeros where one process
+# shows None. The parameter class swaps are gone: shard() registers one GuardedParameter in
+# place of each, once, its state a flag (stages/at_rest.py). Each count may only go down.
 NOT_YET = {"__init__.py": 1}
 
 

@@ -1,10 +1,11 @@
 """Issue 51: each real stage keeps its plain stage's skeleton, in its own file.
 
-A reader of `stages/zeroK.py` finds there what `plain/stageK.py` has: the stage registers its
-own gradient hook (`hook_each_gradient(self.on_grad)` in its `__init__`) and defines the
-plain stage's `on_grad`, `end_of_backward` and `zero_grad` itself, not inherited from a
-base class that calls them in an order the reader cannot see; stage 3's file holds its
-units' lifecycle (`Unit`) as plain/stage3.py does. Read by AST, without importing.
+A reader of a real stage (`stages/zero2.py`) finds there what its plain stage
+(`plain/stage2.py`) has: the stage registers its own gradient hook
+(`hook_each_gradient(self.on_grad)` in its `__init__`) and defines the plain stage's
+`on_grad`, `end_of_backward` and `zero_grad` itself, not inherited from a base class that
+calls them in an order the reader cannot see; stage 3's file holds its units' lifecycle
+(`Unit`) as plain/stage3.py does. Read by AST, without importing.
 
 On fce1cc0 (before issue 51) every stage fails: GradientSync registered the hooks and
 called `on_param_grad` / `on_group_ready` / `on_backward_end` from its own `_on_grad_accumulated`.

@@ -20,7 +20,10 @@ TRACE = REPO_ROOT / "tests" / "stage_trace.py"
 # follow, 0.50/0.50/0.56. Last improved by: the in-flight queue moved into partition.py,
 # FullGradients into gradient_sync.py, stage 3's Unit into zero3.py (its orders and checks to
 # unit_order.py), ranks_agree.py folded into refusals.py and recompute.py left unrun by default.
-RECORDED = {1: (17, 11, 4, 0.51), 2: (16, 10, 4, 0.52), 3: (19, 13, 5, 0.56)}
+# Raised once, for stage 2: 16 -> 17 executed, 10 -> 11 run, when the parameter class swaps went
+# (a class chosen once, stages/at_rest.py's GuardedParameter, whose check runs at every op on a
+# parameter of stages 1-3, where stage 2's swap ran in param_gather.py only).
+RECORDED = {1: (17, 11, 4, 0.51), 2: (17, 11, 4, 0.515), 3: (19, 13, 5, 0.56)}
 GOAL = {1: (None, None, 4, 0.60), 2: (None, None, 4, 0.60), 3: (None, None, 5, 0.60)}  # issue 51
 
 

@@ -159,7 +159,10 @@ def shard(
       zero1_variant      "all_reduce": the seed notes' stage 1 (3Ψ a step, not 2Ψ)
 
     The model gets `model.no_sync()` (DDP's; FSDP2's set_requires_gradient_sync(False)),
-    `model.wait_for_params()`, and `model.zero_grad()` routed to the optimizer.
+    `model.wait_for_params()`, and `model.zero_grad()` routed to the optimizer. At stage 3,
+    and at stages 1-2 with overlap_param_gather, its parameters are new objects (as FSDP2's
+    fully_shard makes them; at_rest.py): take references after shard(), and put tensor hooks
+    on them after it too (one put on before is refused).
     """
     # Every option as given (the parameters above, before anything else is named here):
     # what the refusals check and what the ranks compare (refusals.py).

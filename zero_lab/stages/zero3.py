@@ -30,8 +30,8 @@ The plain stage (`zero_lab/plain/stage3.py`) plus:
       tied weights in the unit that                       a tied embedding must be one weight;
       encloses their users, the root                      the root's norms shard or replicate
       unit sharded or replicated                          (`root_params`)
-    a resting parameter is its 1-D    at_rest.py          names, tied weights and references stay
-      piece; other reads refused                          valid and a torch optimizer steps the
+    a resting parameter is its 1-D    at_rest.py          names, tied weights and references (from
+      piece; other reads refused                          shard() on) stay valid; torch steps the
                                                           pieces; a stray read (an L2 term) is
                                                           refused by name, not wrong silently
     prefetch of the next k units      unit_order.py       the all-gather overlaps compute (order
@@ -149,7 +149,7 @@ class ShardedPart:
         self.work = None
         self.post = None  # used (or never made)
         for p, view in zip(self.params, self.full_views, strict=True):
-            wake(p)  # first: re-pointing a guarded parameter would pay the guard's call
+            wake(p)  # whole first: the .data write below is then a plain one
             p.data = view
 
     def keep_post(self) -> None:
