@@ -96,7 +96,7 @@ import random
 from collections.abc import Callable
 
 from zero_lab import memory
-from zero_lab.grading.framework import Case, run_cases
+from zero_lab.grading.framework import Case, check_ledger_matches, run_cases
 from zero_lab.predict.projection import FLOOR_UNITS, RESERVE_FRACTION, Recommendation
 
 GiB = 2**30
@@ -280,9 +280,9 @@ def check_projected_collectives(projected: dict, measured: dict) -> None:
     """Section 2: the projection prices, per step and by kind, the collectives the bench's
     ledger counted on the real stages ({(N, stage): {op: count}} both): as many all-gathers,
     reduce-scatters and all-reduces, none missing, none extra."""
-    for key, calls in projected.items():
-        assert dict(calls) == dict(measured[key]), (
-            f"N = {key[0]}, stage {key[1]}: projected {dict(calls)}, sent {dict(measured[key])}")
+    check_ledger_matches(list(projected), lambda key: dict(measured[key]),
+                         lambda key: dict(projected[key]),
+                         lambda key: f"N = {key[0]}, stage {key[1]} (the collectives projected)")
 
 
 def same_launch_error(stage_rounds: list[float], twin_rounds: list[float],

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import textwrap
 
-from zero_lab.course.formatting import spread
+from zero_lab.course.formatting import spread, table
 from zero_lab.grading import nb08_knobs_accumulation
-from zero_lab.grading.nb08_knobs_accumulation import fsdp2_rows
+from zero_lab.grading.nb08_knobs_accumulation import fsdp2_rows, step_volume
 from zero_lab.grading.nb08_knobs_recompute import volume
 
 KiB = 2**10
@@ -68,10 +68,6 @@ def unit_for(largest_bytes: float) -> tuple[str, int]:
     return "GiB", 2**30
 
 
-def _volume(comm: dict) -> float:
-    return sum(s["volume"] for s in comm.values())
-
-
 def accumulation_rows(report: dict) -> list[dict]:
     """One row per configuration at the largest k: the volume per optimizer step in bytes
     and in Ψ, the step's peak, the optimizer step's time; the torch column names FSDP2's
@@ -84,9 +80,9 @@ def accumulation_rows(report: dict) -> list[dict]:
         torch_name = ACCUMULATION_TORCH.get(run["label"], "")
         theirs = fsdp2.get(ACCUMULATION_FSDP2.get(run["label"], ""))
         if theirs:
-            torch_name += f" (measured: {_volume(theirs['comm']) / theirs['psi_bytes']:g}Ψ)"
+            torch_name += f" (measured: {step_volume(theirs) / theirs['psi_bytes']:g}Ψ)"
         rows.append({"knob": f"accumulation k={k}, {mode}", "stage": run["stage"],
-                     "bytes": _volume(run["comm"]), "psi": run["psi_bytes"],
+                     "bytes": step_volume(run), "psi": run["psi_bytes"],
                      "peak": run["peak_bytes"], "step": run["step_times"],
                      "torch": torch_name})
     return rows
@@ -141,17 +137,13 @@ def text(rows: list[dict]) -> str:
     `unit_for` the largest), then each knob's name in torch or DeepSpeed (wrapped inside its
     column); no line longer than WIDTH."""
     unit, size = unit_for(max(max(r["bytes"], r["peak"]) for r in rows))
-    cells = [(_bytes_cell(row, size), f"{row['peak'] / size:,.1f}") for row in rows]
-    knob = max(len(r["knob"]) for r in rows)
-    sent = max(len(f"{unit} per step"), *(len(b) for b, _ in cells))
-    peak = max(len(f"peak {unit}"), *(len(p) for _, p in cells))
-    head = (f"{'knob':{knob}s}  stage  {unit + ' per step':>{sent}s}  {'peak ' + unit:>{peak}s}"
-            "  step, median (min-max)")
-    lines = [head, "-" * len(head)]
-    for row, (b, p) in zip(rows, cells, strict=True):
-        lines.append(f"{row['knob']:{knob}s}  {row['stage']!s:5s}  {b:>{sent}s}  {p:>{peak}s}  "
-                     f"{spread_ms(row['step'])}")
-    lines += ["", f"{'knob':{knob}s}  stage  the same knob in torch or DeepSpeed", "-" * len(head)]
+    sent, peak = f"{unit} per step", f"peak {unit}"
+    measured = table([{"knob": row["knob"], "stage": str(row["stage"]),
+                       sent: _bytes_cell(row, size), peak: f"{row['peak'] / size:,.1f}",
+                       "step, median (min-max)": spread_ms(row["step"])} for row in rows],
+                     right=(sent, peak))
+    knob, rule = max(len(r["knob"]) for r in rows), measured.split("\n")[1]
+    lines = [measured, "", f"{'knob':{knob}s}  stage  the same knob in torch or DeepSpeed", rule]
     indent = knob + 2 + 5 + 2
     for row in (r for r in rows if r["torch"]):
         wrapped = textwrap.wrap(row["torch"], WIDTH - indent - 2)
