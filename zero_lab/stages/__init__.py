@@ -6,15 +6,8 @@
     weights = full_state_dict(model)            # same dict on every rank
 
 What each stage shards and when it communicates is told in its own module, top to bottom:
-`ddp.py` (stage 0), `zero1.py`, `zero2.py`, `zero3.py` (with `units.py`). The shared
-mechanics live in `zero_lab/stages/partition.py` (the flat buffers), `gradient_sync.py` (hooks and
-the end-of-backward callback) and `sharded_optimizer.py` (the optimizer wrapper, clipping,
-mixed precision). What keeps torch's own habits right on a sharded model lives beside them:
-`accumulation.py` (`model.no_sync()`), `state_dicts.py` (`model.load_state_dict`),
-`torch_clipping.py` (`torch.nn.utils.clip_grad_norm_`), `buffers.py` (DDP's
-`broadcast_buffers`), `refusals.py` (what shard() refuses, and ranks that were given
-different things refusing together), `lockstep.py` (ranks that drift apart during training
-fail together, named) and `at_rest.py` (stage 3 refuses a read of a resting parameter's piece).
+`ddp.py` (stage 0), `zero1.py`, `zero2.py`, `zero3.py`; each opens with what it adds to its
+plain stage and where, and the package guide (zero_lab/README.md) names every module.
 
 `shard()` changes the model in place and returns it, in the three steps its numbered comments
 name. Build the optimizer through `shard(..., optimizer=...)`, never on `model.parameters()`.

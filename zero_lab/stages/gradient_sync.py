@@ -13,19 +13,14 @@ Each stage registers its own gradient hook (`on_grad`) and writes its own end of
   (`handover_order`), a group only once all groups before it were, so every rank issues the
   same collectives in the same order even when readiness differs (a rank that did not use a
   parameter this step); `groups_left()` at the end of backward: those that never filled;
-- `backward_over()`: which parameters have a gradient (unused_params.py), no_sync's
-  bookkeeping.
+- `backward_over()`: which parameters have a gradient (unused_params.py: unused and frozen
+  ones), no_sync's bookkeeping;
 - a backward that raises (an out-of-memory error caught by an OOM-skip loop, a NaN guard)
   never reaches that callback: the next `zero_grad()` or backward notices the callback still
   pending, finishes the collectives that backward had started (every rank started the same
   ones if every rank failed at the same place) and forgets its half-done bookkeeping, so
   training goes on as in one process. (A backward that fails on one rank only leaves the
   others waiting in a collective, as with torch's DDP.)
-
-Which parameters have a gradient at all (unused and frozen ones) is unused_params.py's
-check, one call when backward ends.
-
-A stage subclasses `GradientSync` and defines the methods at the bottom.
 
 Not supported (as with torch's DDP without static_graph): reentrant activation
 checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`), whose inner backward
@@ -66,7 +61,8 @@ def _weak_hook(on_grad: Callable, g: int, i: int) -> Callable[[torch.Tensor], No
 
 
 class GradientSync:
-    """Base class of the stages: runs the hooks, calls the stage's methods in order.
+    """Base class of the stages: the state and the calls their gradient paths share (each
+    stage registers its own hook and calls them from it).
 
     `step_params[i]` is the tensor the optimizer updates for group i (the whole flat buffer
     for stage 0, this rank's slice for stages 1 and 2); after backward its `.grad` is the
@@ -290,11 +286,6 @@ class GradientSync:
     def clear_has_grad(self) -> None:
         """`zero_grad(set_to_none=True)`: no parameter has a gradient until the next backward."""
         self.has_grad = [[False] * len(g.params) for g in self.groups]
-
-    def remove_hooks(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
 
     def group_sharded(self, g: int) -> bool:
         """Does the optimizer step only this rank's slice of group g?"""

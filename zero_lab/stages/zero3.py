@@ -152,6 +152,14 @@ class ShardedPart:
             wake(p)  # whole first: the .data write below is then a plain one
             p.data = view
 
+    def full_copy(self) -> torch.Tensor:
+        """A full copy of the flat buffer, out of the lifecycle (an all-gather: every rank)."""
+        if self.replicated:
+            return self.local
+        full = self.group.new_full(self.local.dtype)
+        self.group.all_gather(full, self.local)
+        return full
+
     def keep_post(self) -> None:
         """reshard_after_forward=d: keep this rank's 1/d of `full` for backward's gather."""
         self.post = self.post_group.shard(self.full).clone()
@@ -521,24 +529,14 @@ class Zero3(GradientSync):
 
     def full_flat_params(self, g: int) -> torch.Tensor:
         """A full copy of unit g's flat parameters (an all-gather: call it on every rank)."""
-        unit = self.units[g]
-        if unit.replicated:
-            return unit.local
-        full = unit.group.new_full(unit.local.dtype)
-        unit.group.all_gather(full, unit.local)
-        return full
+        return self.units[g].full_copy()
 
     def full_frozen(self) -> dict[int, torch.Tensor]:
         """{id(parameter): full tensor} of the frozen parameters the units shard (all-gathers:
         call it on every rank)."""
-        full = {}
-        for unit in self.units:
-            if unit.frozen is not None:
-                group = unit.frozen.group
-                flat = group.new_full(unit.frozen.local.dtype)
-                group.all_gather(flat, unit.frozen.local)
-                full.update(zip(map(id, group.params), group.views(flat), strict=True))
-        return full
+        return {id(p): full for unit in self.units if unit.frozen is not None
+                for p, full in zip(unit.frozen.params,
+                                   unit.frozen.group.views(unit.frozen.full_copy()), strict=True)}
 
     # ------------------------------------------------------------------ for learners
     def gathered_bytes(self) -> int:
