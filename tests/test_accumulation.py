@@ -1,5 +1,5 @@
 """Gradient accumulation without waste (model.no_sync(), grad_accumulation) and stage 3's
-reshard_after_forward, checked against one process and against knob_formulas.
+reshard_after_forward, checked against one process and against predict/knobs.py.
 
 The multi-rank numbers come from tests/workers/accumulation_cases.py, a part of the launch per
 world size (N = 2, 3) that tests/workers/world_cases.py shares: 8 configurations (stages 0,

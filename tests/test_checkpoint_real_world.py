@@ -18,8 +18,7 @@ from pathlib import Path
 import pytest
 from common import MEASURE_CONSOLIDATION
 
-from zero_lab.checkpoint import CheckpointError, pointer, publication, read_manifest
-from zero_lab.checkpoint import consolidate as checkpoint_consolidate
+from zero_lab.checkpoint import CheckpointError, consolidate, pointer, publication, read_manifest
 from zero_lab.checkpoint.groups import match_groups
 from zero_lab.checkpoint.manifest import seal, verify_files
 from zero_lab.checkpoint.saving import check_step
@@ -404,7 +403,7 @@ def test_a_flipped_byte_dcp_loads_zero_lab_refuses(two, root, tmp_path):
     raw[-3] ^= 0xFF
     shard.write_bytes(bytes(raw))
     with pytest.raises(CheckpointError, match="rank0.safetensors: corrupted"):
-        checkpoint_consolidate(ours)
+        consolidate(ours)
 
 
 @pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")

@@ -18,8 +18,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from zero_lab.course import preflight
-from zero_lab.course import runner as course
+from zero_lab.course import preflight, runner
 from zero_lab.launch import capacity
 from zero_lab.launch.paths import REPO_ROOT
 
@@ -35,8 +34,8 @@ def _notebook(path, *sources):
 
 @pytest.fixture
 def course_dirs(tmp_path, monkeypatch):
-    monkeypatch.setattr(course, "NOTEBOOKS", tmp_path / "notebooks")
-    monkeypatch.setattr(course, "FIGURES", tmp_path / "committed_figures")
+    monkeypatch.setattr(runner, "NOTEBOOKS", tmp_path / "notebooks")
+    monkeypatch.setattr(runner, "FIGURES", tmp_path / "committed_figures")
     monkeypatch.setenv("ZERO_LAB_RUNS_DIR", str(tmp_path / "runs"))
     (tmp_path / "notebooks").mkdir()
     return tmp_path
@@ -50,7 +49,7 @@ def test_runs_in_order_with_parameters(course_dirs, capfd):
               "print(os.environ['ZERO_LAB_RUNS_DIR'])")
     (course_dirs / "notebooks" / "scratch.ipynb").write_text("not a course notebook")
     figures_before = os.environ["ZERO_LAB_FIGURES_DIR"]
-    run_dir = course.run({"nproc": 3, "backend": "gloo", "device": "cpu"})
+    run_dir = runner.run({"nproc": 3, "backend": "gloo", "device": "cpu"})
     # a folder of this run's own, under $ZERO_LAB_RUNS_DIR/course/
     assert run_dir.parent == course_dirs / "runs" / "course"
     executed = run_dir / "executed"
@@ -80,8 +79,8 @@ def test_wide_lines_are_what_a_learner_sees_as_text():
            {"output_type": "execute_result", "data": {"text/plain": "r" * 111}},
            {"output_type": "display_data",
             "data": {"text/plain": "<Figure " + "f" * 200, "image/png": "..."}}]
-    assert course.wide_lines(out) == ["r" * 111, "a" * 60 + "b" * 51]
-    assert course.wide_lines(out, width=111) == []
+    assert runner.wide_lines(out) == ["r" * 111, "a" * 60 + "b" * 51]
+    assert runner.wide_lines(out, width=111) == []
 
 
 def test_nbval_fails_a_cell_that_prints_a_line_over_the_width(tmp_path):
@@ -106,24 +105,24 @@ def test_nbval_fails_a_cell_that_prints_a_line_over_the_width(tmp_path):
 
 def test_two_runs_never_share_a_folder(course_dirs):
     _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
-    first = course.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
-    second = course.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
+    first = runner.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
+    second = runner.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
     assert first != second
     assert (first / "executed" / "00_a.ipynb").is_file()
     assert (second / "executed" / "00_a.ipynb").is_file()
 
 
 def test_summary_counts_minutes_past_a_minute():
-    text = course.summary(8, 754.2, Path("runs/course/x"))
+    text = runner.summary(8, 754.2, Path("runs/course/x"))
     assert text.splitlines()[0] == "8 notebooks executed in 12 min 34 s"
-    assert course.summary(1, 2.04, Path("r")).startswith("1 notebook executed in 2.0 s")
+    assert runner.summary(1, 2.04, Path("r")).startswith("1 notebook executed in 2.0 s")
 
 
 def test_failure_names_notebook_and_cell(course_dirs, capsys):
     _notebook(course_dirs / "notebooks" / "00_ok.ipynb", "x = 1")
     _notebook(course_dirs / "notebooks" / "01_bad.ipynb", "y = 2", "1 / 0")
     with pytest.raises(SystemExit) as info:
-        course.run({"nproc": 2, "backend": "auto", "device": "auto"})
+        runner.run({"nproc": 2, "backend": "auto", "device": "auto"})
     assert info.value.code == 1
     err = capsys.readouterr().err
     assert "FAILED: 01_bad.ipynb, cell 3 (execution count 4), starting '1 / 0'" in err
@@ -164,7 +163,7 @@ def test_a_failed_write_leaves_no_half_notebook_and_says_why(course_dirs, monkey
     _notebook(course_dirs / "notebooks" / "03_zero1.ipynb", "x = 1")
     written = _papermill_that_writes_half_then(monkeypatch, OSError(code, os.strerror(code)))
     with pytest.raises(SystemExit) as info:
-        course.run({"nproc": 2, "backend": "gloo", "device": "cpu"})
+        runner.run({"nproc": 2, "backend": "gloo", "device": "cpu"})
     assert info.value.code not in (0, None)
     [run_dir] = (course_dirs / "runs" / "course").iterdir()
     final = run_dir / "executed" / "03_zero1.ipynb"
@@ -182,9 +181,9 @@ def test_a_run_folder_that_cannot_be_made_says_why(course_dirs, monkeypatch, cap
     def read_only(kind):
         raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(course_dirs / "runs" / kind))
 
-    monkeypatch.setattr(course, "new_run_dir", read_only)
+    monkeypatch.setattr(runner, "new_run_dir", read_only)
     with pytest.raises(SystemExit) as info:
-        course.run({"nproc": 2, "backend": "gloo", "device": "cpu"})
+        runner.run({"nproc": 2, "backend": "gloo", "device": "cpu"})
     assert info.value.code not in (0, None)
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(course_dirs / "runs" / "course") in err, err
@@ -198,7 +197,7 @@ def test_a_dead_kernel_names_the_notebook_nproc_and_memory(course_dirs, monkeypa
     _notebook(course_dirs / "notebooks" / "03_zero1.ipynb", "x = 1")
     _papermill_that_writes_half_then(monkeypatch, DeadKernelError("Kernel died"))
     with pytest.raises(SystemExit) as info:
-        course.run({"nproc": 4, "backend": "gloo", "device": "cpu"})
+        runner.run({"nproc": 4, "backend": "gloo", "device": "cpu"})
     assert info.value.code not in (0, None)
     err = capsys.readouterr().err
     assert "03_zero1.ipynb" in err and "nproc=4" in err and "out of memory" in err, err
@@ -219,7 +218,7 @@ def test_too_many_ranks_are_refused_before_any_kernel(course_dirs, monkeypatch, 
     _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
     started = _no_kernel(monkeypatch)
     with pytest.raises(SystemExit) as info:
-        course.run({"nproc": 64, "backend": "auto", "device": "auto"})  # what `run` runs
+        runner.run({"nproc": 64, "backend": "auto", "device": "auto"})  # what `run` runs
     assert info.value.code not in (0, None)
     assert started == [] and not (course_dirs / "runs").exists()  # no kernel, no run folder
     err = capsys.readouterr().err
@@ -232,7 +231,7 @@ def test_more_ranks_than_memory_are_refused_before_any_kernel(course_dirs, monke
     _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
     started = _no_kernel(monkeypatch)
     with pytest.raises(SystemExit):
-        course.run({"nproc": 16, "backend": "auto", "device": "auto"})
+        runner.run({"nproc": 16, "backend": "auto", "device": "auto"})
     assert started == []
     assert "nproc=16 ranks need about" in capsys.readouterr().err
 
@@ -244,7 +243,7 @@ def test_a_device_the_machine_lacks_is_refused_before_any_kernel(course_dirs, mo
     _notebook(course_dirs / "notebooks" / "00_a.ipynb", "x = 1")
     started = _no_kernel(monkeypatch)
     with pytest.raises(SystemExit) as info:
-        course.run({"nproc": 2, "backend": "auto", "device": "cuda"})
+        runner.run({"nproc": 2, "backend": "auto", "device": "cuda"})
     assert info.value.code not in (0, None) and started == []
     assert "device='cuda'" in capsys.readouterr().err
 
@@ -254,14 +253,14 @@ def test_make_figures_copies_from_the_run_it_made(course_dirs, monkeypatch):
     _notebook(course_dirs / "notebooks" / "00_a.ipynb",
               "from zero_lab.launch.paths import figures_dir\n"
               "(figures_dir() / 'made_here.png').write_bytes(b'png')")
-    course.main(["figures", "--nproc", "1", "--backend", "gloo"])
+    runner.main(["figures", "--nproc", "1", "--backend", "gloo"])
     assert sorted(p.name for p in (course_dirs / "committed_figures").iterdir()) == [
         "SOURCES.json", "made_here.png"]  # SOURCES.json: what drew each (figure_sources.py)
 
 
 def test_only_that_matches_nothing_is_an_error(course_dirs):
     with pytest.raises(SystemExit, match="--only '99' matches no notebook"):
-        course.course_notebooks("99")
+        runner.course_notebooks("99")
 
 
 @pytest.mark.skipif(shutil.which("make") is None, reason="make is not installed")
@@ -319,7 +318,7 @@ def _child_sees_this_test(course_dirs, monkeypatch) -> None:
                 "runner.main(sys.argv[1:])")
         return [sys.executable, "-c", code, *argv, "--run-dir", str(run_dir)]
 
-    monkeypatch.setattr(course, "child_command", command)
+    monkeypatch.setattr(runner, "child_command", command)
 
 
 def test_the_run_folder_says_which_notebooks_are_done_and_which_runs(course_dirs):
@@ -328,7 +327,7 @@ def test_the_run_folder_says_which_notebooks_are_done_and_which_runs(course_dirs
     _notebook(course_dirs / "notebooks" / "01_b.ipynb",
               "import os\nprint(open(os.path.join(os.environ['ZERO_LAB_RUNS_DIR'], "
               "'status.json')).read())")
-    run_dir = course.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
+    run_dir = runner.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
     cell = nbformat.read(run_dir / "executed" / "01_b.ipynb", as_version=4).cells[-1]
     during = json.loads(cell.outputs[0]["text"])
     assert (during["done"], during["running"], during["ended"]) == (
@@ -351,7 +350,7 @@ def test_a_run_killed_by_sigkill_says_so_in_one_line_and_its_folder_what_is_part
     _child_sees_this_test(course_dirs, monkeypatch)
     monkeypatch.setattr(capacity, "oom_kills", lambda root=None: None)  # no counter to read
     with pytest.raises(SystemExit) as info:
-        course.main(["run", "--nproc", "4", "--backend", "gloo", "--device", "cpu"])
+        runner.main(["run", "--nproc", "4", "--backend", "gloo", "--device", "cpu"])
     assert info.value.code == 128 + signal.SIGKILL  # as a shell reports a killed command
     [run_dir] = (course_dirs / "runs" / "course").iterdir()
     executed = run_dir / "executed"
@@ -374,12 +373,12 @@ def test_a_killed_run_says_the_oom_killer_as_a_fact_where_its_counter_rose(tmp_p
     events.write_text("oom 1\noom_kill 1\n")
     before = capacity.OomKills(1, events)
     status = {"done": ["00_a.ipynb", "01_b.ipynb"], "running": "02_c.ipynb", "nproc": 2}
-    said = course.killed(signal.SIGKILL, status, tmp_path, before)
+    said = runner.killed(signal.SIGKILL, status, tmp_path, before)
     assert said.startswith("the run was killed (SIGKILL), most likely by the out-of-memory")
     assert said.endswith("holds 2 notebooks complete (00, 01) and 02_c.ipynb partial; close "
                          "other kernels and programs or ask for more memory")  # nproc=2 already
     events.write_text("oom 2\noom_kill 3\n")
-    said = course.killed(signal.SIGKILL, status, tmp_path, before)
+    said = runner.killed(signal.SIGKILL, status, tmp_path, before)
     assert said.startswith(f"the run was killed by the out-of-memory killer (oom_kill in "
                            f"{events} rose by 2) while running 02_c.ipynb with nproc=2;"), said
 
@@ -411,7 +410,7 @@ def test_each_notebooks_rules_are_checked_before_the_first_notebook(course_dirs,
             (1, "02_pairs.ipynb", "TooFewRanks: parameter nproc=1: must be at least 2"),
             (3, "03_split.ipynb", "ValueError: parameter batch=16: must be divisible by nproc=3")):
         with pytest.raises(SystemExit) as info:
-            course.run({"nproc": nproc, "backend": "gloo", "device": "cpu"})
+            runner.run({"nproc": nproc, "backend": "gloo", "device": "cpu"})
         assert info.value.code == 2
         err = capsys.readouterr().err
         assert f"FAILED: {refused}, its check cell\n{rule}" in err, err  # as a failing cell
@@ -423,7 +422,7 @@ def test_only_the_selected_notebooks_rules_are_checked(course_dirs, monkeypatch)
     nb = course_dirs / "notebooks"
     _checked(nb / "00_any.ipynb")
     _checked(nb / "02_pairs.ipynb", "min_nproc=2")
-    run_dir = course.run({"nproc": 1, "backend": "gloo", "device": "cpu"}, only="00")
+    run_dir = runner.run({"nproc": 1, "backend": "gloo", "device": "cpu"}, only="00")
     assert [p.name for p in (run_dir / "executed").iterdir()] == ["00_any.ipynb"]
 
 
@@ -434,7 +433,7 @@ def test_the_command_refuses_before_any_notebook_and_leaves_no_run_folder(course
     _checked(nb / "02_pairs.ipynb", "min_nproc=2")
     _child_sees_this_test(course_dirs, monkeypatch)
     with pytest.raises(SystemExit) as info:
-        course.main(["run", "--nproc", "1", "--backend", "gloo", "--device", "cpu"])
+        runner.main(["run", "--nproc", "1", "--backend", "gloo", "--device", "cpu"])
     assert info.value.code == 2
     assert "FAILED: 02_pairs.ipynb, its check cell\nTooFewRanks: parameter nproc=1" in (
         capfd.readouterr().err)
@@ -446,7 +445,7 @@ def test_the_course_notebooks_refuse_nproc_1_and_3_by_their_own_checks(monkeypat
     # are written): every course notebook has one, and the runner reads each.
     monkeypatch.setattr(capacity, "available_cores", lambda: 16)
     monkeypatch.setattr(capacity, "available_memory", lambda: 64 * 2**30)
-    notebooks = course.course_notebooks()
+    notebooks = runner.course_notebooks()
     assert all(preflight.check_cell(nb) for nb in notebooks)
     cpu = {"backend": "gloo", "device": "cpu"}
     assert preflight.notebook_refusals(notebooks, {"nproc": 2, **cpu}) == {}
@@ -466,11 +465,11 @@ def test_a_relative_runs_folder_is_the_folder_the_command_started_in(course_dirs
     _notebook(course_dirs / "notebooks" / "00_a.ipynb",
               "from zero_lab.launch.paths import figures_dir, new_run_dir\n"
               "(figures_dir() / 'made.png').write_bytes(b'png')\nprint(new_run_dir('nb'))")
-    run_dir = course.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
+    run_dir = runner.run({"nproc": 1, "backend": "gloo", "device": "cpu"})
     assert run_dir.parent == course_dirs / "myruns" / "course"
     cell = nbformat.read(run_dir / "executed" / "00_a.ipynb", as_version=4).cells[-1]
     assert Path(cell.outputs[0]["text"].strip()).parent == run_dir / "nb"
-    assert [p.name for p in course.copy_figures(run_dir / "figures")] == ["made.png"]
+    assert [p.name for p in runner.copy_figures(run_dir / "figures")] == ["made.png"]
     assert not (course_dirs / "notebooks" / "myruns").exists()
 
 
@@ -479,7 +478,7 @@ def test_make_figures_fails_in_one_line_when_there_is_no_figure_to_copy(course_d
     empty = course_dirs / "runs" / "figures"
     empty.mkdir(parents=True)
     with pytest.raises(SystemExit) as info:
-        course.copy_figures(empty)
+        runner.copy_figures(empty)
     assert info.value.code == 1
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and str(empty) in err and "no figure" in err, err

@@ -2,12 +2,12 @@
 
 On CPU every launch runs on gloo, so the paths below never run there. Here the course's own
 rank scripts run on NCCL, one rank per GPU (at most 2), at small sizes:
-- launch.resolve_backend picks NCCL; worker.init_worker puts each rank on cuda:<local_rank>;
-- measured.PeakMemory and MemoryTimeline read the CUDA allocator;
+- launch.resolve_backend picks NCCL; rank_side.init_worker puts each rank on cuda:<local_rank>;
+- measure/memory.py's PeakMemory and MemoryTimeline read the CUDA allocator;
 - stages 0-3, workloads.train and PeakMemory on CUDA (deep_mlp_runs.py, notebooks 03-04);
 - stages 0-3's states on the CUDA allocator against memory.model_state_bytes
   (tests/workers/cuda_state_memory.py);
-- step_timeline.measure_step on CUDA (zero3_lifecycle.py, notebook 05);
+- memory_timeline.measure_step on CUDA (zero3_lifecycle.py, notebook 05);
 - collectives.timing with its CUDA synchronize (collective_sweep.py, notebook 02);
 - profiling.capture with CUDA activity, read back as a "cuda" timeline (profile_systems.py,
   notebook 06);
@@ -116,7 +116,7 @@ def test_bench_trains_every_system_alike_on_gpus(tmp_path):
 
 def test_stage_states_on_the_cuda_allocator_are_the_formula():
     """Stages 0-3 after a step and the next backward: the course's storage count
-    (`measure.held_bytes`) is `memory.model_state_bytes` to the byte (Ψ divides by the ranks:
+    (`measure.memory.held_bytes`) is `memory.model_state_bytes` to the byte (Ψ divides by the ranks:
     no padding), and the CUDA allocator's live bytes are that count plus at most its rounding
     (each block a multiple of 512 bytes): nothing else stays alive on the GPU."""
     result = torchrun(Path(__file__).parent / "workers" / "cuda_state_memory.py", nproc=NPROC,

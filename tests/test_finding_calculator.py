@@ -81,4 +81,4 @@ def test_notebook_08_prices_80_gib_gpus_as_notebook_07_does(kind):
     assert "80e9" not in text
     assert not re.search(r"80\s+GB\b", text), re.findall(r".{40}80\s+GB\b.{20}", text)
     if kind == "code":
-        assert re.search(r"recompute_tradeoff\.choose\(80 \* GiB", text)
+        assert re.search(r"recompute\.choose\(80 \* GiB", text)

@@ -16,7 +16,7 @@ from pathlib import Path
 
 from finding_text import without_links
 
-from zero_lab.grading import nb08_knobs_tables as knob_table
+from zero_lab.grading import nb08_knobs_tables
 
 ROOT = Path(__file__).resolve().parent.parent
 KNOB = "set_reshard_after_backward(False)"
@@ -87,6 +87,6 @@ def test_the_notebooks_say_the_last_micro_batch_turns_it_back_on():
 
 
 def test_the_closing_table_turns_it_back_on_in_every_row_that_uses_it():
-    rows = [v for v in knob_table.ACCUMULATION_TORCH.values() if KNOB in v]
+    rows = [v for v in nb08_knobs_tables.ACCUMULATION_TORCH.values() if KNOB in v]
     assert len(rows) == 3
     assert all("`True` on the last micro-batch" in v for v in rows), rows

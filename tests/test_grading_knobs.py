@@ -62,7 +62,7 @@ def test_notebook08_checks_accept_reference_reject_stub_and_mistakes(source, che
 
 
 def test_references_are_the_formulas_the_live_runs_meet():
-    """The exercises' expected values come from knob_formulas and projection, the functions
+    """The exercises' expected values come from predict/knobs.py and projection, the functions
     notebook 08's launches are checked against byte for byte."""
     for stage, psi, k, mode in nb08.ACCUMULATION_CASES:
         messages = accumulation_messages(stage, psi, k, 2, grad_accumulation=mode)

@@ -18,7 +18,7 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab import grading
-from zero_lab.course.rank_cases import zero3 as rank_cases
+from zero_lab.course.rank_cases import zero3
 from zero_lab.grading import ExerciseFailed
 from zero_lab.grading.nb05_zero3 import (
     MATERIALIZE_RELEASE,
@@ -314,24 +314,24 @@ def test_the_rank_script_makes_no_comparison_with_an_expected_value():
 
 
 def _numels(cases):
-    return [sum(p.numel() for p in rank_cases.build_module(c).parameters()) for c in cases]
+    return [sum(p.numel() for p in zero3.build_module(c).parameters()) for c in cases]
 
 
 def test_the_notebook_cases_stay_the_notebooks():
-    cases = rank_cases.materialize_release_cases(None)
+    cases = zero3.materialize_release_cases(None)
     assert [c.label for c in cases] == [
         "Linear(7, 5): 40 elements", "Linear(4, 6, bias=False) + LayerNorm(6): 36 elements",
         "a 3x3 weight and a 0-d scale: 10 elements"]
-    assert rank_cases.post_backward_cases(None) == cases
+    assert zero3.post_backward_cases(None) == cases
     assert _numels(cases) == [40, 36, 10]
     torch.manual_seed(100)  # what the rank script built before the cases moved
-    assert torch.equal(rank_cases.build_module(cases[0]).weight, nn.Linear(7, 5).double().weight)
+    assert torch.equal(zero3.build_module(cases[0]).weight, nn.Linear(7, 5).double().weight)
     x = torch.randn(5, 3, generator=torch.Generator().manual_seed(7), dtype=torch.float64)
-    assert torch.equal(rank_cases.case_input(cases[2]), x)
+    assert torch.equal(zero3.case_input(cases[2]), x)
 
 
-@pytest.mark.parametrize("draw", [rank_cases.materialize_release_cases,
-                                  rank_cases.post_backward_cases])
+@pytest.mark.parametrize("draw", [zero3.materialize_release_cases,
+                                  zero3.post_backward_cases])
 def test_seeded_cases_are_drawn_from_the_seed_and_keep_their_properties(draw):
     notebook = draw(None)
     assert draw(SEED) == draw(SEED)
@@ -342,8 +342,8 @@ def test_seeded_cases_are_drawn_from_the_seed_and_keep_their_properties(draw):
         assert any(n % 3 for n in _numels(cases))  # padding on 3 ranks
         assert all(c.calls >= 2 for c in cases)  # gradient accumulation
         scaled = next(c for c in cases if c.kind == "scaled")
-        assert rank_cases.build_module(scaled).scale.dim() == 0
-    assert rank_cases.materialize_release_cases(SEED) != rank_cases.post_backward_cases(SEED)
+        assert zero3.build_module(scaled).scale.dim() == 0
+    assert zero3.materialize_release_cases(SEED) != zero3.post_backward_cases(SEED)
 
 
 def test_seeded_references_pass_and_wrong_answers_fail(judge_seeded, capsys):

@@ -27,7 +27,6 @@ from common import alive
 
 from zero_lab import launch
 from zero_lab.launch import LaunchError, capacity, torchrun
-from zero_lab.launch import env as launch_env
 from zero_lab.launch.paths import REPO_ROOT
 
 TESTS = Path(__file__).parent
@@ -153,7 +152,7 @@ def test_a_full_temporary_folder_is_named(temp_dir, monkeypatch):
 
 def test_a_launch_that_failed_on_a_full_disk_says_so_and_its_logs_can_go(temp_dir,
                                                                          monkeypatch):
-    monkeypatch.setattr(launch_env, "free_bytes", lambda path: 4096)
+    monkeypatch.setattr("zero_lab.launch.env.free_bytes", lambda path: 4096)
     with pytest.raises(LaunchError, match=r"4 KiB free.*full") as caught:
         torchrun(WORKERS / "launch_die.py", nproc=2, backend="gloo", stream=False, timeout=60,
                  args=["exit"])

@@ -227,8 +227,8 @@ def circles(graph: dict[str, set[str]]) -> list[list[str]]:
 
 
 def test_no_module_imports_itself_round_a_circle():
-    """collectives/cost_model -> exchange -> ledger -> cost_model was one (a lazy import hid
-    it); a reader follows imports down, never round."""
+    """collectives' cost model -> exchange -> ledger -> the cost model was one (a lazy import
+    hid it); a reader follows imports down, never round."""
     assert circles(import_graph(_package_sources(), KNOWN)) == []
 
 

@@ -23,7 +23,7 @@ import pytest  # noqa: E402
 
 from zero_lab.course.knob_plots import accumulation_figure  # noqa: E402
 from zero_lab.grading import nb08_knobs_recompute as rc_checks  # noqa: E402
-from zero_lab.grading import nb08_knobs_tables as knob_table  # noqa: E402
+from zero_lab.grading import nb08_knobs_tables  # noqa: E402
 from zero_lab.predict.knobs import (  # noqa: E402
     accumulation_messages,
     fsdp2_accumulation_messages,
@@ -95,17 +95,19 @@ def _recompute_runs() -> list[dict]:
 
 def test_printed_tables_keep_lines_within_110_characters():
     report = _big(_report())
-    rows = (knob_table.accumulation_rows(report) + knob_table.recompute_rows(_recompute_runs())
-            + knob_table.precision_rows([{"recipe": "bf16+keep_ln+reduce_fp32", "stage": 3,
-                                          "ledger": [["all_gather", "bfloat16", 10**8]],
-                                          "peak_bytes": 60 * 2**30, "step_times": [1.0, 2.0]}])
-            + knob_table.hsdp_rows([{"mesh": [8, 8], **{key: {
+    rows = (nb08_knobs_tables.accumulation_rows(report)
+            + nb08_knobs_tables.recompute_rows(_recompute_runs())
+            + nb08_knobs_tables.precision_rows([{"recipe": "bf16+keep_ln+reduce_fp32", "stage": 3,
+                                                 "ledger": [["all_gather", "bfloat16", 10**8]],
+                                                 "peak_bytes": 60 * 2**30,
+                                                 "step_times": [1.0, 2.0]}])
+            + nb08_knobs_tables.hsdp_rows([{"mesh": [8, 8], **{key: {
                 "by_level": {"shard": {"all_gather": 10**9}, "replicate": {"all_reduce": 10**8}},
                 "peak_bytes": 60 * 2**30, "step_s": [1.0, 12.0]} for key in ("zero3", "hsdp")}}]))
-    for text in (knob_table.text(rows), knob_table.accumulation_text(report)):
+    for text in (nb08_knobs_tables.text(rows), nb08_knobs_tables.accumulation_text(report)):
         lines = text.split("\n")
-        assert max(len(line) for line in lines) <= knob_table.WIDTH, max(lines, key=len)
-    names = knob_table.text(rows)
+        assert max(len(line) for line in lines) <= nb08_knobs_tables.WIDTH, max(lines, key=len)
+    names = nb08_knobs_tables.text(rows)
     assert "(measured: 2Ψ)" in names and "(measured: 17Ψ)" in names  # FSDP2 beside ours
 
 

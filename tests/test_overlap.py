@@ -1,4 +1,4 @@
-"""shard()'s overlap options (stages/param_gather.py, stages/reductions_in_flight.py), from
+"""shard()'s overlap options (stages/param_gather.py, InFlight in stages/partition.py), from
 the "overlap" part of tests/workers/world_cases.py (tests/workers/overlap_cases.py): every
 variant trains as one process on the global batch, bit for bit as its plain stage, sends the
 same bytes per step, and every reader outside a forward waits for what is still in flight
@@ -71,18 +71,18 @@ def _assert_waits(readers: dict, variant: str, names) -> None:
 
 
 def test_a_raw_read_of_a_parameter_in_flight_waits_for_its_bucket():
-    """stages/param_gather.py's ParameterInFlight: no stale read without wait_for_params()."""
+    """stages/param_gather.py's flag, "in flight": no stale read without wait_for_params()."""
     readers = case_reports("overlap", 2)[0]["readers"]
     for variant in ("stage1_param_gather", "stage2_param_gather"):
         right, mutant = readers[f"{variant}-raw"], readers[f"{variant}-raw-mutant"]
         for read in RAW_READS:
             assert right[read] <= READ_ATOL, (variant, read, right[read])
             assert mutant[read] > STALE, (variant, read, "the mutant read right")
-        assert right["classes_after_step"] == ["ParameterInFlight"], right
-        assert right["class_after_read"] == "Parameter"
+        assert right["states_after_step"] == ["in flight"], right
+        assert right["state_after_read"] == "whole"
         # the read waited for its own bucket (the first layer's, issued first) only
         assert right["in_flight_after_read"] == right["buckets_in_flight"] - 1 > 0, right
-        assert right["classes_after_forward"] == ["Parameter"], right
+        assert right["states_after_forward"] == ["whole"], right
 
 
 def test_a_model_dropped_in_flight_finishes_its_messages_first():

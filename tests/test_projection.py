@@ -7,11 +7,11 @@ import dataclasses
 
 import pytest
 
+import zero_lab.predict.links
 from zero_lab import memory
 from zero_lab.collectives.timing import AlphaBeta, AlphaBetaModel
 from zero_lab.collectives.volume import ring_bytes_sent, ring_steps
 from zero_lab.course import models
-from zero_lab.predict import links as interconnect
 from zero_lab.predict import projection
 from zero_lab.predict.projection import Link, collective_time, project_step, recommend
 
@@ -583,8 +583,8 @@ def test_the_exchange_pays_one_round_where_a_ring_pays_n_minus_1_steps():
         assert rg["latency_s"] == pytest.approx((n - 1) * ring.alpha)
         assert ex["bandwidth_s"] == rg["bandwidth_s"] == pytest.approx((n - 1) / n * 1e6 * 1e-9)
     assert collective_time("reduce_scatter", 1e6, 1, EXCHANGE) == 0  # one rank sends nothing
-    assert interconnect.latency_steps("reduce_scatter", 8, "exchange") == 1
-    assert interconnect.latency_steps("all_reduce", 8) == 14
+    assert zero_lab.predict.links.latency_steps("reduce_scatter", 8, "exchange") == 1
+    assert zero_lab.predict.links.latency_steps("all_reduce", 8) == 14
     with pytest.raises(ValueError, match="direct exchange sends"):
         collective_time("all_reduce", 1e6, 4, EXCHANGE)
     with pytest.raises(ValueError, match="algorithm"):
@@ -620,7 +620,7 @@ def test_the_exchange_priced_with_the_ring_steps_fails_the_synthetic_timings(mon
     check_prices(as_ring, exchange_timings(250e-6, 1 / 0.8e9, worlds=(2,)))  # N = 2: the same
     # a latency_steps that counts the ring's steps for the exchange too, in the fit and the
     # pricing
-    monkeypatch.setattr(interconnect, "latency_steps",
+    monkeypatch.setattr(zero_lab.predict.links, "latency_steps",
                         lambda op, n, algorithm="ring": ring_steps(op, n))
     with pytest.raises(AssertionError):
         check_prices(projection.fit_op_links(measured, "mutant"), held_out)
@@ -662,7 +662,7 @@ def check_stage_prices(step: dict, links: projection.OpLinks, n: int, k: int, nb
     k buckets (units) of nbytes / k, as many of each op as `step["calls"]` says."""
     for op, count in step["calls"].items():
         lk = links.link(op)
-        one = (interconnect.latency_steps(op, n, lk.algorithm) * lk.alpha
+        one = (zero_lab.predict.links.latency_steps(op, n, lk.algorithm) * lk.alpha
                + ring_bytes_sent(op, nbytes / k, n) * lk.beta)
         assert step["comm_s"][op] == pytest.approx(count * one, rel=1e-12), (op, step["comm_s"])
 

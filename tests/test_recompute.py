@@ -19,12 +19,15 @@ from zero_lab.course import workloads as W
 from zero_lab.grading import nb08_knobs_recompute as checks
 from zero_lab.measure.memory import saved_activation_bytes
 from zero_lab.predict import projection
-from zero_lab.predict import recompute as T
-from zero_lab.stages.recompute import (
-    check_checkpoint_activations,
-    modules_to_recompute,
-    recompute,
+from zero_lab.predict.recompute import (
+    STAGES,
+    choose,
+    choose_measured,
+    decisive_budgets,
+    per_rank_peak,
 )
+from zero_lab.stages.recompute import modules_to_recompute, recompute
+from zero_lab.stages.refusals import check_checkpoint_activations
 
 GB = 10**9
 FP32_ATOL = 1e-6
@@ -155,10 +158,10 @@ def test_stage_3_runs_13b_without_recompute_where_stage_1_needs_it():
     12Ψ/16 = 61.75 GB of states, and the 28.5 GB of activations only fit with recompute
     (2·s·b·h per layer); stage 3 holds 13 GB of states and fits them as they are, with 6Ψ
     FLOPs per token instead of 8Ψ."""
-    decision = T.choose(80 * GB, 13e9, 16, seq_len=4096, batch=1, **LLAMA_13B)
+    decision = choose(80 * GB, 13e9, 16, seq_len=4096, batch=1, **LLAMA_13B)
     assert decision == {0: None, 1: "on", 2: "off", 3: "off"}
     checks.check_tradeoff(decision)
-    peak = T.per_rank_peak(13e9, 1, 16, seq_len=4096, batch=1, recompute=False, **LLAMA_13B)
+    peak = per_rank_peak(13e9, 1, 16, seq_len=4096, batch=1, recompute=False, **LLAMA_13B)
     states = memory.model_state_bytes(13e9, 1, 16)["total"]
     acts = memory.activation_bytes(40, 4096, 1, 5120, 40, attention="fused")
     assert states < 72 * GB < states + acts < peak
@@ -166,18 +169,18 @@ def test_stage_3_runs_13b_without_recompute_where_stage_1_needs_it():
     assert flops["full"] / flops["none"] == pytest.approx(4 / 3)  # a third more, attention too
     # mutants: at micro-batch 2 stage 3 needs recompute too; a 160 GB GPU fits stage 1 as is
     with pytest.raises(AssertionError):
-        checks.check_tradeoff(T.choose(80 * GB, 13e9, 16, seq_len=4096, batch=2, **LLAMA_13B))
+        checks.check_tradeoff(choose(80 * GB, 13e9, 16, seq_len=4096, batch=2, **LLAMA_13B))
     with pytest.raises(AssertionError):
-        checks.check_tradeoff(T.choose(160 * GB, 13e9, 16, seq_len=4096, batch=1, **LLAMA_13B))
+        checks.check_tradeoff(choose(160 * GB, 13e9, 16, seq_len=4096, batch=1, **LLAMA_13B))
 
 
 def test_choose_keeps_the_reserve_notebook_07_keeps():
     """13B on 8 x 80 GB: stage 2 without recompute peaks at 79.2 GB, which leaves 0.8 GB of
     the 8 GB that `projection.recommend` keeps free (10% of the GPU, above the peak floor that
     `per_rank_peak` counts): it needs recompute, and stage 1 fits neither way."""
-    peak = T.per_rank_peak(13e9, 2, 8, seq_len=4096, batch=1, recompute=False, **LLAMA_13B)
+    peak = per_rank_peak(13e9, 2, 8, seq_len=4096, batch=1, recompute=False, **LLAMA_13B)
     assert 72 * GB < peak < 80 * GB
-    decision = T.choose(80 * GB, 13e9, 8, seq_len=4096, batch=1, **LLAMA_13B)
+    decision = choose(80 * GB, 13e9, 8, seq_len=4096, batch=1, **LLAMA_13B)
     assert decision == {0: None, 1: None, 2: "on", 3: "off"}
     # the same rule as notebook 07's decision table, stage by stage
     for n_ranks in (8, 16):
@@ -189,18 +192,18 @@ def test_choose_keeps_the_reserve_notebook_07_keeps():
                                          activation_bytes=acts, buckets=40, hybrid=False)
             fits[r] = {row["stage"]: row["fits_memory"] for row in rows}
         expected = {s: "off" if fits[False][s] else "on" if fits[True][s] else None
-                    for s in T.STAGES}
-        assert T.choose(80 * GB, 13e9, n_ranks, seq_len=4096, batch=1, **LLAMA_13B) == expected
+                    for s in STAGES}
+        assert choose(80 * GB, 13e9, n_ranks, seq_len=4096, batch=1, **LLAMA_13B) == expected
     # no reserve: the old answer, stage 2 at 79.2 of 80 GB
-    assert T.choose(80 * GB, 13e9, 8, seq_len=4096, batch=1, reserve_fraction=0,
+    assert choose(80 * GB, 13e9, 8, seq_len=4096, batch=1, reserve_fraction=0,
                     **LLAMA_13B)[2] == "off"
 
 
 def test_decisive_budgets_from_measured_peaks():
     peaks = {(1, False): 300, (1, True): 200, (3, False): 240, (3, True): 170}
-    assert T.decisive_budgets(peaks) == (240, 300)
-    assert T.choose_measured(peaks, 250) == {1: "on", 3: "off"}
-    checks.check_tradeoff(T.choose_measured(peaks, 250))
+    assert decisive_budgets(peaks) == (240, 300)
+    assert choose_measured(peaks, 250) == {1: "on", 3: "off"}
+    checks.check_tradeoff(choose_measured(peaks, 250))
     # stage 3 frees less than recompute saves: no budget decides for it
-    assert T.decisive_budgets({**peaks, (3, False): 310}) is None
-    assert T.choose_measured(peaks, 150) == {1: None, 3: None}
+    assert decisive_budgets({**peaks, (3, False): 310}) is None
+    assert choose_measured(peaks, 150) == {1: None, 3: None}

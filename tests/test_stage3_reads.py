@@ -107,7 +107,7 @@ def test_tied_checkpointed_clipped_loaded_and_saved_as_before(ranks):
 def resting(values: torch.Tensor, full_shape: tuple[int, ...]) -> nn.Parameter:
     """A parameter at rest as units.py leaves it: its .data a piece of a unit's slice."""
     local = torch.cat([torch.zeros(1), values, torch.zeros(2)])  # this rank's slice
-    p = nn.Parameter(torch.empty(full_shape))
+    p = at_rest.GuardedParameter(torch.empty(full_shape))  # as shard() makes it
     p.data = local[1:1 + values.numel()]
     at_rest.label(p, "fc.weight", "fc", torch.Size(full_shape), local)
     at_rest.rest(p)
@@ -142,7 +142,7 @@ def test_the_guard_refuses_reads_and_lets_looks_updates_and_optimizers_through()
     p.data = torch.ones(2, 3)
     assert p.norm().item() == pytest.approx(6 ** 0.5)
     at_rest.wake(p)
-    assert type(p) is nn.Parameter
+    assert p.zero_lab_state == "whole"
 
 
 def test_a_step_that_raised_does_not_leave_reads_allowed():
@@ -185,3 +185,33 @@ def test_assert_refused_rejects_what_the_reads_did_before():
     for found in before:
         with pytest.raises(AssertionError):
             assert_refused(found, "fc.weight", "fc", "norm")
+
+
+def test_shard_registers_one_guarded_object_per_parameter_and_refuses_early_hooks():
+    """at_rest.guard_parameters, as shard() calls it: a new GuardedParameter per parameter (a
+    tied weight one object under both names), sharing the data, requires_grad, attributes and
+    .grad; a reference taken before is the old object (stale, as FSDP2's); a class of one's
+    own stays; a tensor hook put on a parameter before is refused, naming it."""
+    class Own(nn.Parameter):
+        pass
+
+    model = nn.Sequential(nn.Embedding(5, 3), nn.Linear(3, 5), nn.LayerNorm(3))
+    model[1].weight = model[0].weight  # tied
+    model[2].bias = Own(torch.zeros(3))
+    model[2].weight.requires_grad_(False)
+    old = model[0].weight
+    old.grad, old.tag = torch.ones(5, 3), "embedding"
+    at_rest.guard_parameters(model, frozen_too=False)
+    new = model[0].weight
+    assert type(new) is at_rest.GuardedParameter and new is model[1].weight and new is not old
+    assert new.data_ptr() == old.data_ptr() and new.tag == "embedding" and new.grad is old.grad
+    assert new.zero_lab_state == "whole" and torch.equal(new * 1, old.detach())
+    assert type(model[2].weight) is nn.Parameter and type(model[2].bias) is Own  # frozen; own
+    at_rest.guard_parameters(model, frozen_too=True)
+    assert type(model[2].weight) is at_rest.GuardedParameter
+    assert not model[2].weight.requires_grad and new is model[0].weight
+    hooked = nn.Linear(2, 2)
+    hooked.bias.register_hook(lambda grad: grad)
+    with pytest.raises(ValueError, match="parameter bias has a tensor hook"):
+        at_rest.guard_parameters(hooked, frozen_too=False)
+    assert type(hooked.weight) is nn.Parameter  # refused before anything changed

@@ -41,7 +41,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-import zero_lab.checkpoint.manifest as manifest_module
+import zero_lab.checkpoint.manifest
 from zero_lab import checkpoint
 from zero_lab.checkpoint import pointer
 from zero_lab.launch import init_worker, report
@@ -172,7 +172,7 @@ def _edit(source: Path, target: Path, change, reseal: bool) -> None:
     manifest = json.loads(path.read_text())
     change(manifest)
     if reseal:  # as if the editor knew the checksum: the checks behind it must still hold
-        manifest = manifest_module.seal(manifest)
+        manifest = zero_lab.checkpoint.manifest.seal(manifest)
     path.write_text(json.dumps(manifest))
 
 
@@ -359,18 +359,18 @@ def verify_reads(root: Path, rank: int, world: int) -> dict:
     train(model, opt, 0, 1, rank, world)
     checkpoint.save(model, opt, root / "reads", step=1)
     hashed = []
-    real = manifest_module.sha256
+    real = zero_lab.checkpoint.manifest.sha256
 
     def recording(path):
         hashed.append(Path(path).name)
         return real(path)
 
-    manifest_module.sha256 = recording
+    zero_lab.checkpoint.manifest.sha256 = recording
     try:
         model, opt = made(3, optimizer=lambda p: torch.optim.Adam(p, lr=0.01), seed=3)
         checkpoint.load(model, opt, root / "reads")
     finally:
-        manifest_module.sha256 = real
+        zero_lab.checkpoint.manifest.sha256 = real
     return {"hashed": hashed}
 
 

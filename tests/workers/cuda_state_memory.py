@@ -4,9 +4,10 @@ After a warm-up (`warm_up`), for each stage on this rank's GPU: the allocator's 
 before the model exists, then after one full step (Adam's states exist) and the next backward,
 the moment every state is alive at once (parameters, gradients, Adam's m and v). The batch and
 the loss are freed before the reading, so the allocator's difference is the model states and
-whatever else the stage kept alive. Reported beside it: `measure.held_bytes` (the course's own
-storage-by-storage count, the one the CPU notebooks use), the number of storages it counted
-(the allocator rounds each block up to 512 bytes) and `memory.model_state_bytes`, the formula.
+whatever else the stage kept alive. Reported beside it: `measure.memory.held_bytes` (the
+course's own storage-by-storage count, the one the CPU notebooks use), the number of storages
+it counted (the allocator rounds each block up to 512 bytes) and `memory.model_state_bytes`,
+the formula.
 """
 
 import argparse

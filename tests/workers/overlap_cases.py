@@ -1,5 +1,5 @@
 """Per-rank cases for tests/test_overlap.py: shard()'s overlap options (stages/param_gather.py,
-stages/reductions_in_flight.py) train as one process does, send the same bytes, and every reader of
+InFlight in stages/partition.py) train as one process does, send the same bytes, and every reader of
 parameters or gradients outside a forward waits for what is still in flight.
 
 Equivalence: each variant trains 3 steps of a small model (width 64, a bucket per layer) and
@@ -195,7 +195,7 @@ def switch_off_waits(opt) -> None:
     if sync.param_gather is not None:
         sync.param_gather.wait = lambda g: None
         sync.param_gather.wait_all = lambda: None
-    sync.finish_reductions = lambda: None
+    sync.land_reductions = lambda: None
 
 
 def after_one_step(variant: str, rank: int, world: int, mutant: bool, k: int = 1):
@@ -269,24 +269,24 @@ RAW_READS = ("sum", "clone", "equal", "detach")
 
 def raw_reads(variant: str, rank: int, world: int, mutant: bool) -> dict:
     """overlap_param_gather: a raw read of a parameter after opt.step(), with no wait of one's
-    own (its class, ParameterInFlight, waits for its bucket), against one process (|diff|)
-    or, for torch.equal, against a twin run that waited (bit-identical: the same run). The
-    mutant removes the class swap: every parameter plain nn.Parameter after the step."""
+    own (its flag, zero_lab_state "in flight", makes it wait for its bucket), against one
+    process (|diff|) or, for torch.equal, against a twin run that waited (bit-identical: the
+    same run). The mutant clears the flag: every parameter "whole" after the step."""
     out: dict = {}
     for read in RAW_READS:
         model, opt, ref, _ = after_one_step(variant, rank, world, mutant=False)
         gather = opt.sync.param_gather
         if read == "sum":
-            out["classes_after_step"] = sorted({type(p).__name__ for p in model.parameters()})
+            out["states_after_step"] = sorted({p.zero_lab_state for p in model.parameters()})
             out["buckets_in_flight"] = len(gather.in_flight())
         if mutant:
             for p in model.parameters():
-                p.__class__ = nn.Parameter
+                p.zero_lab_state = "whole"
         w, r = model[0].weight, ref[0].weight.detach()
         if read == "sum":
             out[read] = abs(w.sum().item() - r.sum().item())
             out["in_flight_after_read"] = len(gather.in_flight())  # its own bucket only
-            out["class_after_read"] = type(w).__name__
+            out["state_after_read"] = w.zero_lab_state
         elif read == "clone":
             out[read] = (w.clone() - r).abs().max().item()
         elif read == "detach":
@@ -297,10 +297,10 @@ def raw_reads(variant: str, rank: int, world: int, mutant: bool) -> dict:
             out[read] = 0.0 if torch.equal(w, twin[0].weight) else float("inf")
             del twin, twin_opt
         gather.wait_all()  # the deferred all-gathers, every rank alike
-    # the next forward turns every parameter back into a plain nn.Parameter before compute
+    # the next forward makes every parameter whole again before compute
     model, opt, _, _ = after_one_step(variant, rank, world, mutant=False)
     model(W.rank_slice(global_batch(1), rank, world)[0])
-    out["classes_after_forward"] = sorted({type(p).__name__ for p in model.parameters()})
+    out["states_after_forward"] = sorted({p.zero_lab_state for p in model.parameters()})
     return out
 
 

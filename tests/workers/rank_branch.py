@@ -3,8 +3,9 @@ some ranks only, the way learners write it (`if dist.get_rank() == 0: x = self.e
 
 Stage 3 pairs the ranks' all-gathers by their order, so a unit called on rank 0 only pairs
 its all-gather with the next unit's on the other ranks. While the default checked no
-all-gather (zero3.py's `_check_same_unit` ran with check_order=True only), that meant, for an
-`extra` unit called on rank 0 (the launch's error in brackets):
+all-gather (the check before a gather, now unit_order.py's `UnitOrder.before_gather`, ran
+with check_order=True only), that meant, for an `extra` unit called on rank 0 (the launch's
+error in brackets):
 
     before layers.2, of its size  the gathers pair silently, each rank computing with the
                                   other unit's weights; rank 0's last all-gather then meets

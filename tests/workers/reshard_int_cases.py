@@ -25,7 +25,7 @@ def make_model() -> torch.nn.Module:
 
 
 def held_post(opt) -> int:
-    """Bytes of the 1/d copies kept from forward to backward (units.Unit.post)."""
+    """Bytes of the 1/d copies kept from forward to backward (zero3.Unit.post)."""
     return sum(t.nbytes for u in opt.sync.units for t in (u.post, u.frozen and u.frozen.post)
                if t is not None)
 

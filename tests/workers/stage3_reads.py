@@ -34,7 +34,7 @@ from stage_cases import error_message  # a sibling worker: `Type: message` of wh
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from zero_lab import checkpoint as zero_checkpoint
+import zero_lab.checkpoint
 from zero_lab.course import workloads as W
 from zero_lab.launch import init_worker, report, scratch_folder
 from zero_lab.stages import full_state_dict, shard
@@ -244,9 +244,9 @@ def habits(rank: int, world: int) -> list[dict]:
             model.load_state_dict(new)
             result["after_load"] = max_diff(full_state_dict(model), new)
             directory = scratch_folder(f"stage3_reads_{precision}")
-            zero_checkpoint.save(model, opt, directory)
+            zero_lab.checkpoint.save(model, opt, directory)
             train(model, opt, lambda s: W.rank_slice(batch(s), rank, world))  # moves away
-            zero_checkpoint.load(model, opt, directory)
+            zero_lab.checkpoint.load(model, opt, directory)
             result["after_checkpoint"] = max_diff(full_state_dict(model), new)
         except Exception as exc:  # noqa: BLE001
             result["error"] = f"{type(exc).__name__}: {exc}"

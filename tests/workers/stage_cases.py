@@ -190,7 +190,7 @@ def run_case(c: dict, rank: int, world: int) -> dict:
         "name": c["name"], "stage": c["stage"], "precision": c["precision"],
         "optimizer": c["optimizer"], "variant": c["variant"], "standalone": c["standalone"],
         "clip": c["clip"], "model": c["model"], "transport": c["transport"],
-        "direct": [g.direct for g in opt.sync.groups],
+        "direct": [g.sends.name == "direct" for g in opt.sync.groups],  # (transports.py)
         "keys_match": sorted(full) == sorted(ref.state_dict()),
         "max_abs_diff": max(diffs.values()), "worst_key": max(diffs, key=diffs.get),
         "max_abs_weight": scale, "ref_moved": moved, "precision_gap": precision_gap,

@@ -30,7 +30,7 @@ import stage3_reads
 import stage_cases
 import zero3_cases
 
-from zero_lab.course.step_record import record as step_record
+from zero_lab.course import step_record
 from zero_lab.launch import init_worker, report
 
 PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs at[, the largest])
@@ -45,7 +45,7 @@ PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs 
     "hsdp": (hsdp_cases.run, 4),  # hybrid sharding on a 2 x 2 mesh
     "reshard_int": (reshard_int_cases.run, 4),  # reshard_after_forward=2 at stage 3
     "plain": (plain_cases.run, 2, 3),  # zero_lab/plain beside shard() and one process
-    "step_record": (step_record, 2, 3),  # notebook 03's step view: one step, phase by phase
+    "step_record": (step_record.record, 2, 3),  # notebook 03's step view: one step, phase by phase
     "contract": (contract_cases.run, 2, 3),
     # before contract_habits: its lockstep case raises inside opt.step() on the last rank
     # only; that optimizer's step never ends (stages/at_rest.py forgets it once it is gone),

@@ -161,7 +161,7 @@ def run_case(c: dict, rank: int, world: int) -> dict:
         "n_frozen": W.count_parameters(ref) - W.count_parameters(ref, trainable_only=True),
         "unit_numels": [u.group.numel for u in units],
         "unit_padded": [u.group.padded_numel for u in units],
-        # frozen parameters, sharded with their unit (units.FrozenPart; 0: none)
+        # frozen parameters, sharded with their unit (zero3.FrozenPart; 0: none)
         "frozen_padded": [u.frozen.group.padded_numel if u.frozen else 0 for u in units],
         "frozen_at_rest": sum(u.frozen.local.nbytes for u in units if u.frozen),
         "shard_numel": sum(u.group.shard_numel for u in units),
@@ -298,8 +298,8 @@ def _watch_gathered(sync: Zero3) -> dict[str, dict[str, int]]:
 def _ignore_the_limit(sync: Zero3) -> None:
     """Mutant: every unit prefetches all the units after it, whatever the depth says."""
     def learn(phase: str, order: list[int]) -> None:
-        sync._ahead[phase] = {u: order[i + 1:] for i, u in enumerate(order)}
-    sync._learn = learn
+        sync.order._ahead[phase] = {u: order[i + 1:] for i, u in enumerate(order)}
+    sync.order._learn = learn
 
 
 def prefetch_limits(rank: int, world: int) -> dict:
@@ -332,7 +332,7 @@ def prefetch_limits(rank: int, world: int) -> dict:
             opt.zero_grad()
         full = full_state_dict(model)
         out[name] = {
-            "depth": sync.depth, "units": len(sync.units),
+            "depth": sync.order.depth, "units": len(sync.units),
             "unit_bytes": sorted({u.group.padded_numel * u.local.element_size()
                                   for u in sync.units}),
             "peak_gathered": seen["peak"], "gathers_started": seen["starts"],

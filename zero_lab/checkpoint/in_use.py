@@ -32,8 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from zero_lab.checkpoint import manifest as manifest_
-from zero_lab.checkpoint import pointer
+from zero_lab.checkpoint import manifest, pointer
 
 
 @contextmanager
@@ -59,7 +58,7 @@ def read_manifest(name: Path | str, check_checksum: bool = True) -> dict:
     """The manifest of the checkpoint `name` reaches (a checkpoint's folder or a step
     directory), checked as manifest.read_manifest checks it."""
     with reading(name) as step:
-        return manifest_.read_manifest(step, check_checksum)
+        return manifest.read_manifest(step, check_checksum)
 
 
 def remove_unless_read(path: Path) -> bool:

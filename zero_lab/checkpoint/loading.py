@@ -29,10 +29,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from zero_lab.checkpoint import extras as extras_
-from zero_lab.checkpoint import groups as groups_
 from zero_lab.checkpoint import in_use, layout
 from zero_lab.checkpoint.agreement import failure, gather, refuse_together
+from zero_lab.checkpoint.extras import check_extras, file_to_read, load_file
+from zero_lab.checkpoint.groups import local_names, match_groups, merged
 from zero_lab.checkpoint.manifest import (
     MANIFEST,
     CheckpointError,
@@ -74,13 +74,13 @@ def load(model, optimizer, directory: Path | str, extras: dict | None = None) ->
         directory, problem = _held_step(holding, Path(directory), rank)
         manifest, identity = {}, None
         try:
-            stateful = extras_.check_extras(extras)
+            stateful = check_extras(extras)
             if problem is None:
                 manifest, identity = read_manifest_bytes(directory, check_checksum=rank == 0)
         except Exception as exc:  # noqa: BLE001 - told to every rank, raised on every rank
             problem = failure(exc)
         everyone = gather({"problem": problem, "identity": identity, "where": str(directory),
-                           "step": manifest.get("step"), "groups": groups_.local_names(opt)})
+                           "step": manifest.get("step"), "groups": local_names(opt)})
         refuse_together([e["problem"] for e in everyone])
         for r, e in enumerate(everyone):
             if e["identity"] != everyone[0]["identity"]:
@@ -95,7 +95,7 @@ def load(model, optimizer, directory: Path | str, extras: dict | None = None) ->
         problem = None
         try:
             new = _read(model, opt, directory, manifest, weights_only, stateful,
-                        groups_.merged([e["groups"] for e in everyone]), rank, world)
+                        merged([e["groups"] for e in everyone]), rank, world)
         except Exception as exc:  # noqa: BLE001
             problem = failure(exc)
         refuse_together(gather(problem))
@@ -146,7 +146,7 @@ def _read(model, opt, directory: Path, manifest: dict, weights_only: bool, state
         if saved_class != ours:
             raise CheckpointError(f"{directory}: saved with optimizer {saved_class}, loading "
                                   f"into {ours}")
-        matches = groups_.match_groups(str(directory / MANIFEST), manifest, groups)
+        matches = match_groups(str(directory / MANIFEST), manifest, groups)
     reader = Reader(directory, manifest)
     new: dict = {"others": {name: reader.other(name) for name in others}, "buffers": others,
                  "frozen": layout.frozen_pieces(model, opt),
@@ -168,10 +168,10 @@ def _read(model, opt, directory: Path, manifest: dict, weights_only: bool, state
                       else reader.read("state", name, start, pc.numel, key).view_as(view))
                 for key in reader.states_of(name)})
     if stateful:
-        file = extras_.file_to_read(directory, manifest, sorted(stateful), rank, world)
+        file = file_to_read(directory, manifest, sorted(stateful), rank, world)
         verify_files(directory, manifest, [file])
         reader.verified.append(file)
-        new["extras"] = extras_.load_file(directory / file)
+        new["extras"] = load_file(directory / file)
     new["settings"] = manifest["optimizer"]["param_groups"]
     return new
 

@@ -23,9 +23,9 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import save_file
 
-from zero_lab.checkpoint import extras as extras_
 from zero_lab.checkpoint import layout, locking, pointer, publication
 from zero_lab.checkpoint.agreement import check_same, failure, gather, refuse_together
+from zero_lab.checkpoint.extras import check_extras, file_of, states
 from zero_lab.checkpoint.manifest import FORMAT, MANIFEST, CheckpointError, sha256, write_manifest
 
 
@@ -91,12 +91,12 @@ def save(model, optimizer, directory: Path | str, step: int | None = None,
     rank = dist.get_rank()
 
     # 1. Check everything, agree on one checkpoint; nothing is written before this.
-    problem, settings, states, digests = None, [], {}, {}
+    problem, settings, extra_states, digests = None, [], {}, {}
     try:
         step = check_step(step)  # numpy.int64(3) -> 3: the manifest is JSON
-        stateful = extras_.check_extras(extras)
+        stateful = check_extras(extras)
         settings = _settings(opt)
-        states, digests = extras_.states(stateful)
+        extra_states, digests = states(stateful)
         if rank == 0:
             _check_target(directory)
     except Exception as exc:  # noqa: BLE001 - told to every rank, raised on every rank
@@ -149,9 +149,9 @@ def save(model, optimizer, directory: Path | str, step: int | None = None,
                     keep("other", layout.Span(name, 0, t.numel(), t))
             mine["files"][file] = _write(partial / file, lambda p: save_file(tensors, str(p)))
             tensors.clear()  # the copies, freed before the extras and the manifest
-            if states:
-                mine["files"][extras_.file_of(rank)] = _write(
-                    partial / extras_.file_of(rank), lambda p: torch.save(states, p))
+            if extra_states:
+                mine["files"][file_of(rank)] = _write(
+                    partial / file_of(rank), lambda p: torch.save(extra_states, p))
             mine.update(pieces=pieces, groups=groups)
         except Exception as exc:  # noqa: BLE001 - a full disk on one rank stops every rank
             mine["problem"] = failure(exc)

@@ -11,6 +11,7 @@ in reading order:
     ledger.py      CommLedger: records every collective a block issues, with its bytes
     exchange.py    reduce-scatter and all-gather as one round of point-to-point messages:
                    what the stages send on gloo, whose own reduce-scatter is an all-reduce
+    transports.py  where a stage's collectives are chosen: the seam a new one plugs into
     chain.py       collectives run one after another behind one handle (hybrid sharding's
                    reduce-scatter inside a group, then all-reduce across the groups)
 

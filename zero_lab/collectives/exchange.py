@@ -9,7 +9,7 @@ laptop, 2 ranks, 24 MiB of fp32: all-reduce 18 ms, torch's reduce-scatter 27 ms,
 exchange below 9.5 ms (best of 15; `make bench` times it too, and notebook 03 checks what the
 profiler names a gloo reduce-scatter).
 
-So on gloo the stages send the bytes themselves (`zero_lab.stages.partition` picks the transport):
+So on gloo the stages send the bytes themselves (`transports.py` picks the transport):
 
     reduce-scatter   rank r sends every other rank p the chunk p owns, receives the N-1
                      copies of its own chunk, and adds them up (in a fixed order);
@@ -172,14 +172,10 @@ def all_gather(output: torch.Tensor, input: torch.Tensor,
 
 
 # ------------------------------------------------------------ no communication at all
-# For one measurement only (notebook 06's A/B check): the same stage with its collectives
-# removed, so that step(real) - step(no communication) is what communication costs. The
-# functions below do a collective's local work (this rank's own chunk copied, the average's
-# division) and send nothing; the results are numerically meaningless (no rank sees another's
-# data), but finite: the all-gather writes this rank's chunk where the others' would land,
-# since a stage-3 unit's buffer is fresh memory and computing on whatever it held (NaN,
-# denormals) made the twin's Adam 1.7x slower than the real stage's. `partition.py` uses
-# them for `transport="none"`. Nothing is recorded in a CommLedger: nothing was sent.
+# transport="none" (transports.py), for notebook 06's A/B check of what communication costs:
+# a collective's local work only (this rank's chunk copied, the average's division), nothing
+# sent or recorded. Meaningless but finite: the all-gather writes this rank's chunk where the
+# others' would land (a fresh stage-3 buffer's NaN or denormals made Adam 1.7x slower).
 
 
 def reduce_scatter_skipped(output: torch.Tensor, input: torch.Tensor,

@@ -197,7 +197,7 @@ def fit_alpha_beta(timings: Iterable[dict]) -> AlphaBetaModel:
     """Fit the model to `time_collective` results (dicts with op, nbytes, world_size, seconds)."""
     timings = [t for t in timings if t["world_size"] > 1]
     if any(t.get("transport", "torch") != "torch" for t in timings):
-        # its latency is one round, not ring_steps: interconnect.fit_op_links counts it so
+        # its latency is one round, not ring_steps: links.fit_op_links counts it so
         raise ValueError("timings of the direct exchange do not fit a ring's alpha-beta model; "
                          "fit them with zero_lab.predict.links.fit_op_links")
     if not timings:

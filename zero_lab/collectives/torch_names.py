@@ -5,7 +5,7 @@ torch 2.13 (the course's pin) names them `dist.all_gather_single` and
 `reduce_scatter_tensor`; an older torch has only the older names (torch 2.11, as a CUDA image
 ships it, did: the GPU check found every stage failing on the missing name). Same arguments,
 same semantics, so on an older torch the new names are given the old functions, once per
-process, before the rank script runs (worker._run_script calls `provide`). Nothing changes on
+process, before the rank script runs (rank_side._run_script calls `provide`). Nothing changes on
 a torch that has them.
 """
 

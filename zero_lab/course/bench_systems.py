@@ -172,7 +172,7 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
            partial(build_zero_lab, stage=3, check_lockstep=False),
            "zero_lab st. 3\nno lockstep check"),
     System("fsdp2", "torch FSDP2 (fully_shard)", build_fsdp2, "torch\nFSDP2"),
-    # Hiding the communication (stages/param_gather.py, stages/reductions_in_flight.py): the
+    # Hiding the communication (stages/param_gather.py, InFlight in stages/partition.py): the
     # same bytes, sent
     # under the next forward (the all-gather) and during backward (stage 1's reduce-scatter);
     # "_step" also updates each bucket as soon as its gradient lands.

@@ -30,7 +30,7 @@ from zero_lab.stages.partition import FlatParamGroup
 
 if TYPE_CHECKING:
     from zero_lab.collectives import CommLedger
-    from zero_lab.stages.units import Unit
+    from zero_lab.stages.zero3 import Unit
 
 # The file name the learner's code is compiled under: tracebacks show it for their frames.
 LEARNER_FILE = "<your function>"

@@ -7,6 +7,7 @@ measured times (`bench`, `grading/nb08_knobs_tables`).
 from __future__ import annotations
 
 import statistics
+from collections.abc import Collection
 
 
 def readable_number(value: float) -> str:
@@ -34,17 +35,18 @@ def spread(values: list[float], decimals: int) -> str:
             f"({min(values):.{decimals}f}-{max(values):.{decimals}f})")
 
 
-def table(rows: list[dict]) -> str:
+def table(rows: list[dict], right: Collection[str] = ()) -> str:
     """Rows of equal keys as a fixed-width text table: a header of the keys, numbers right-
-    aligned with thousands separators, text left-aligned."""
+    aligned with thousands separators, text left-aligned but in the columns named `right`
+    (numbers the caller formatted)."""
     if not rows:
         return "(no rows)"
     keys = list(rows[0])
     cells = [[f"{v:,}" if isinstance(v, int) and not isinstance(v, bool) else str(v)
               for v in (row[k] for k in keys)] for row in rows]
     widths = [max(len(k), *(len(c[i]) for c in cells)) for i, k in enumerate(keys)]
-    numeric = [all(isinstance(r[k], int | float) and not isinstance(r[k], bool) for r in rows)
-               for k in keys]
+    numeric = [k in right or all(isinstance(r[k], int | float) and not isinstance(r[k], bool)
+                                 for r in rows) for k in keys]
 
     def line(values: list[str]) -> str:
         return "  ".join(v.rjust(w) if num else v.ljust(w)

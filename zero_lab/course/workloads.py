@@ -236,8 +236,8 @@ def train(
     each loss divided by k, before one optimizer step; `clip` clips the global gradient norm.
     Returns a JSON-ready dict: per-step "losses" (this rank's, averaged over micro-batches),
     "grad_norms" (when clipping), "step_times" (seconds; the memory-tracked last step is
-    left out), "held_after_backward" and "held_after_step" (`measured.held_bytes` on the last step)
-    and "peak_bytes" (the last step's peak, `zero_lab.measure.memory.PeakMemory`).
+    left out), "held_after_backward" and "held_after_step" (`measure.memory.held_bytes` on the
+    last step) and "peak_bytes" (the last step's peak, `zero_lab.measure.memory.PeakMemory`).
     """
     device = torch.device(device)
     out: dict = {"losses": [], "grad_norms": [], "step_times": []}

@@ -27,7 +27,7 @@ How to write a check (for course authors; put it in the module of its notebook)
   `compare=` for anything else, or `wrong_answers=` to recognise known mistakes by value.
 - A check that needs more than input -> output (e.g. run the learner's code on several
   ranks, `remote.py`) builds its own logic and ends with `passed(name, detail, shows)` or
-  `fail(...)`.
+  `fail(...)`; a notebook's claim that each run's ledger is its formula, `check_ledger_matches`.
 - `shows` is one line (a string literal: tests/test_grading.py reads them all) saying what the
   learner can now do that they could not before, not how many cases passed.
 - Export it from `zero_lab/grading/__init__.py`. Tests call every `check_*` with the
@@ -196,6 +196,8 @@ def run_cases(
     `wrong_answers` lists (mistaken_function, explanation) pairs: when the learner's value
     equals what a known mistake would return on that case, its explanation replaces the
     case's hint (all of them, if several mistakes give the same value).
+    An `fn` wrapped in `typed` that returns an answer of the wrong type fails with what its
+    type check says, instead of comparing values.
     """
     if not callable(fn):
         fail(name, f"expected a function, got {type(fn).__name__}", "pass the function itself")
@@ -209,6 +211,8 @@ def run_cases(
                 got = fn(*args, **kwargs)
         except NotImplementedError:
             fail(name, "not implemented yet", NOT_IMPLEMENTED_HINT)
+        except WrongType as wrong:
+            fail(name, f"your function {wrong.args[0]}", wrong.args[1])
         except TooSlow:
             fail(name, f"{where} did not return within {CASE_SECONDS:.0f} s",
                  "the reference takes milliseconds: look for a loop that never ends")
@@ -219,6 +223,37 @@ def run_cases(
             detail, _, diagnosis = problem.partition("\n  hint: ")
             fail(name, f"{where}\n{detail}", diagnosis)
     passed(name, f"{len(cases)}/{len(cases)} hidden cases pass", shows)
+
+
+class WrongType(BaseException):
+    """(what is wrong, hint): the learner's answer is not of the type the exercise returns.
+    Not an Exception, so that a learner's `except Exception:` lets it through (as TooSlow)."""
+
+
+def typed(fn: Callable, problem_of: Callable[[Any], tuple[str, str] | None]) -> Callable:
+    """`fn`, raising WrongType when `problem_of(its answer)` says what is wrong with it."""
+    if not callable(fn):
+        return fn  # run_cases says what it got
+
+    def call(*args, **kwargs):
+        got = fn(*args, **kwargs)
+        problem = problem_of(got)
+        if problem is not None:
+            raise WrongType(*problem)
+        return got
+
+    return call
+
+
+def check_ledger_matches(runs: Sequence, measured: Callable[[Any], Any],
+                         expected: Callable[[Any], Any], name: Callable[[Any], str]) -> int:
+    """A notebook's claim that each run's ledger is its formula: `measured(run)` equals
+    `expected(run)` exactly, or AssertionError names the run (`name(run)`), what the ledger
+    counted and what the formula gives. Returns how many runs were checked."""
+    for run in runs:
+        got, want = measured(run), expected(run)
+        assert got == want, f"{name(run)}: the ledger counted {got}, the formula gives {want}"
+    return len(runs)
 
 
 CASE_SECONDS = 10.0  # a case of an exercise in the kernel: the references take milliseconds

@@ -44,7 +44,7 @@ def _probe_unit():
     from torch import nn
 
     from zero_lab.stages.partition import FlatParamGroup
-    from zero_lab.stages.units import Unit
+    from zero_lab.stages.zero3 import Unit
 
     params = [nn.Parameter(torch.zeros(2, 3))]
     unit = Unit("probe", nn.Module(), FlatParamGroup(params, 3, 0), torch.zeros(2))

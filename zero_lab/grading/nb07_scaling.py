@@ -25,7 +25,7 @@ group at 16 bytes each (parameter, gradient, Adam's m and v), and the peak must 
 than what is held. The GPT, built on the meta device, is untied by `to_empty()` (V·h parameters
 more): the worker ties it again and the check compares Ψ with the tied model's count. The peak's
 floor at N = 1024 (peak - held) must be `projection.FLOOR_UNITS` units to half a unit, stage 0's
-at least its Adam chunk's temporaries. Saved activations (`measured.saved_activation_bytes`,
+at least its Adam chunk's temporaries. Saved activations (`measure.memory.saved_activation_bytes`,
 parameters excluded) must equal, to the byte, Korthikanti et al.'s formula with the CPU's 2-byte
 dropout masks and LayerNorm statistics added (`memory.activation_bytes_saved_by_torch`,
 attention written out with its s x s scores kept).
@@ -38,9 +38,9 @@ asserted: the times.
     (128 KiB to 8 MiB, doubling, 5 repeats, the fastest batch kept) times gloo's all-reduce
     and, on gloo, the direct exchange's reduce-scatter and all-gather that stages 1-3 really
     send (`collectives/exchange.py`: every message posted at once, one round whatever N is,
-    (N-1)/N of the bytes). `interconnect.fit_op_links` fits alpha and beta to each op alone:
+    (N-1)/N of the bytes). `links.fit_op_links` fits alpha and beta to each op alone:
     the all-reduce's alpha is per ring step, the exchange's per round
-    (`interconnect.latency_steps`). Stage 3 pays an exchange's latency three times per unit
+    (`links.latency_steps`). Stage 3 pays an exchange's latency three times per unit
     (two gathers, one reduce-scatter), stages 1-2 twice per bucket.
   - The compute. Each stage runs in the same launch as its twin, the same stage built with
     `shard(..., transport="none")`: every copy, hook, bucket and the 1/N optimizer update,
@@ -96,7 +96,7 @@ import random
 from collections.abc import Callable
 
 from zero_lab import memory
-from zero_lab.grading.framework import Case, run_cases
+from zero_lab.grading.framework import Case, check_ledger_matches, run_cases
 from zero_lab.predict.projection import FLOOR_UNITS, RESERVE_FRACTION, Recommendation
 
 GiB = 2**30
@@ -280,9 +280,9 @@ def check_projected_collectives(projected: dict, measured: dict) -> None:
     """Section 2: the projection prices, per step and by kind, the collectives the bench's
     ledger counted on the real stages ({(N, stage): {op: count}} both): as many all-gathers,
     reduce-scatters and all-reduces, none missing, none extra."""
-    for key, calls in projected.items():
-        assert dict(calls) == dict(measured[key]), (
-            f"N = {key[0]}, stage {key[1]}: projected {dict(calls)}, sent {dict(measured[key])}")
+    check_ledger_matches(list(projected), lambda key: dict(measured[key]),
+                         lambda key: dict(projected[key]),
+                         lambda key: f"N = {key[0]}, stage {key[1]} (the collectives projected)")
 
 
 def same_launch_error(stage_rounds: list[float], twin_rounds: list[float],

@@ -30,7 +30,7 @@ from zero_lab.predict.projection import hybrid_bytes_per_step
 
 def reference_accumulation_bytes(stage: int, psi_bytes: int, k: int,
                                  grad_accumulation: str = "sharded") -> dict[str, int]:
-    """{op: bytes} of one optimizer step: knob_formulas' messages, their full sizes."""
+    """{op: bytes} of one optimizer step: predict/knobs.py's messages, their sizes."""
     messages = accumulation_messages(stage, psi_bytes, k, 2,
                                      grad_accumulation=grad_accumulation)
     return {op: int(m["nbytes"]) for op, m in messages.items()}

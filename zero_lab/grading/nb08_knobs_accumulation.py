@@ -1,7 +1,7 @@
 """Notebook 08, gradient accumulation: the checks its cells assert on the report of
 zero_lab/workers/knob_accumulation.py (one launch; see there for the runs).
 
-    check_bytes_match_formula   every run's ledger, op by op, equals knob_formulas'
+    check_bytes_match_formula   every run's ledger, op by op, equals predict/knobs.py's
                                 accumulation_messages: counts, bytes, ring bytes, volume
     check_held_between          what accumulation keeps between micro-batches, by
                                 construction: full gradients (stages 0, 1, "unsharded") or
@@ -9,7 +9,7 @@ zero_lab/workers/knob_accumulation.py (one launch; see there for the runs).
     check_zero2_pays_k_times    stage 2 "sharded" sends (k + 1)/2 times stage 1's bytes
     check_equal_to_one_process  every run's weights equal one process on the global batch
                                 (torch's FSDP2 runs too)
-    check_fsdp2_bytes_match_formula   FSDP2's ledger, op by op, equals knob_formulas'
+    check_fsdp2_bytes_match_formula   FSDP2's ledger, op by op, equals predict/knobs.py's
                                 fsdp2_accumulation_messages (gradient sync off for k - 1
                                 backwards, resharding after forward / backward or not)
     accumulation_rows           the table the notebook prints (step time as median, min-max)
@@ -22,8 +22,8 @@ printed with their spread, never compared.
 
 from __future__ import annotations
 
-import statistics
-
+from zero_lab.course.formatting import spread
+from zero_lab.grading.framework import check_ledger_matches
 from zero_lab.predict.knobs import accumulation_messages, fsdp2_accumulation_messages
 
 FP32_ATOL = 1e-5  # weights ~0.1 after a few Adam steps; k micro-batches sum in another order
@@ -41,20 +41,11 @@ def expected_messages(run: dict, world_size: int) -> dict:
                                  reshard_after_forward=run["reshard_after_forward"])
 
 
-def _check_ledgers(runs: list[dict], world_size: int, formula) -> int:
-    """Each run's ledger of one optimizer step equals `formula(run, world_size)` exactly."""
-    for run in runs:
-        expected = formula(run, world_size)
-        measured = {op: dict(s) for op, s in run["comm"].items()}
-        assert measured == expected, (f"{_name(run)}: the ledger counted {measured}, the "
-                                      f"formula gives {expected}")
-    return len(runs)
-
-
 def check_bytes_match_formula(report: dict) -> int:
     """Every run's collectives of one optimizer step equal the formula exactly; returns how
     many runs were checked."""
-    return _check_ledgers(report["runs"], report["world_size"], expected_messages)
+    return check_ledger_matches(report["runs"], lambda r: r["comm"],
+                                lambda r: expected_messages(r, report["world_size"]), _name)
 
 
 def expected_fsdp2_messages(run: dict, world_size: int) -> dict:
@@ -68,7 +59,8 @@ def expected_fsdp2_messages(run: dict, world_size: int) -> dict:
 def check_fsdp2_bytes_match_formula(report: dict) -> int:
     """Every FSDP2 run's collectives of one optimizer step equal the formula exactly (the
     same ledger as ours); returns how many runs were checked."""
-    return _check_ledgers(report["fsdp2"], report["world_size"], expected_fsdp2_messages)
+    return check_ledger_matches(report["fsdp2"], lambda r: r["comm"],
+                                lambda r: expected_fsdp2_messages(r, report["world_size"]), _name)
 
 
 def check_held_between(report: dict) -> None:
@@ -90,7 +82,8 @@ def check_held_between(report: dict) -> None:
                                           f"{params}")
 
 
-def _volume(run: dict) -> int:
+def step_volume(run: dict) -> int:
+    """The ZeRO paper's volume of one run's optimizer step (an all-reduce counts twice)."""
     return sum(s["volume"] for s in run["comm"].values())
 
 
@@ -101,11 +94,11 @@ def check_zero2_pays_k_times(report: dict) -> dict[int, float]:
     by = {(r["label"], r["k"]): r for r in report["runs"]}
     ratios = {}
     for k in sorted({r["k"] for r in report["runs"]}):
-        one, sharded = _volume(by["stage 1", k]), _volume(by["stage 2 sharded", k])
+        one, sharded = step_volume(by["stage 1", k]), step_volume(by["stage 2 sharded", k])
         ratios[k] = sharded / one
         assert sharded * 2 == one * (k + 1), (f"k = {k}: stage 2 sharded sent {sharded} B, "
                                               f"stage 1 {one} B: expected a ratio (k+1)/2")
-        assert _volume(by["stage 2 unsharded", k]) == one, (
+        assert step_volume(by["stage 2 unsharded", k]) == one, (
             f"k = {k}: stage 2 unsharded should send stage 1's {one} B")
     return ratios
 
@@ -125,18 +118,23 @@ def accumulation_rows(report: dict) -> list[dict]:
     gradients and parameters held between micro-batches, the peak, the step time."""
     rows = []
     for run in report["runs"]:
-        times = [1e3 * t for t in run["step_times"]]
         held = run["held_between"]
-        rows.append({
-            "run": run["label"], "k": run["k"],
-            "sent KiB": sum(s["sent_bytes"] for s in run["comm"].values()) / 1024,
-            "volume Ψ": _volume(run) / run["psi_bytes"],
-            "held grads KiB": held["grads"] / 1024 if held else None,
-            "held params KiB": held["params"] / 1024 if held else None,
-            "peak KiB": run["peak_bytes"] / 1024,
-            "step ms": f"{statistics.median(times):.1f} ({min(times):.1f}-{max(times):.1f})",
-        })
+        rows.append({**_sent(run),
+                     "held grads KiB": held["grads"] / 1024 if held else None,
+                     "held params KiB": held["params"] / 1024 if held else None,
+                     "peak KiB": run["peak_bytes"] / 1024, "step ms": _step_ms(run)})
     return rows
+
+
+def _sent(run: dict) -> dict:
+    """A row's first columns: the run, k, bytes sent per optimizer step and its volume in Ψ."""
+    return {"run": run["label"], "k": run["k"],
+            "sent KiB": sum(s["sent_bytes"] for s in run["comm"].values()) / 1024,
+            "volume Ψ": step_volume(run) / run["psi_bytes"]}
+
+
+def _step_ms(run: dict) -> str:
+    return spread([1e3 * t for t in run["step_times"]], decimals=1)
 
 
 def _in_psi(run: dict) -> dict[str, float]:
@@ -149,15 +147,10 @@ def fsdp2_rows(report: dict) -> list[dict]:
     n = report["world_size"]
     rows = []
     for run in report.get("fsdp2", []):
-        times = [1e3 * t for t in run["step_times"]]
         formula = expected_fsdp2_messages(run, n)
-        rows.append({
-            "run": run["label"], "k": run["k"],
-            "sent KiB": sum(s["sent_bytes"] for s in run["comm"].values()) / 1024,
-            "volume Ψ": _volume(run) / run["psi_bytes"],
-            "formula Ψ": sum(m["volume"] for m in formula.values()) / run["psi_bytes"],
-            "step ms": f"{statistics.median(times):.1f} ({min(times):.1f}-{max(times):.1f})",
-            "same as ours": [r["label"] for r in report["runs"]
-                             if r["k"] == run["k"] and _in_psi(r) == _in_psi(run)],
-        })
+        rows.append({**_sent(run),
+                     "formula Ψ": sum(m["volume"] for m in formula.values()) / run["psi_bytes"],
+                     "step ms": _step_ms(run),
+                     "same as ours": [r["label"] for r in report["runs"]
+                                      if r["k"] == run["k"] and _in_psi(r) == _in_psi(run)]})
     return rows

@@ -12,10 +12,10 @@ from __future__ import annotations
 
 import textwrap
 
-from zero_lab.course.formatting import spread
-from zero_lab.grading.nb08_knobs_accumulation import accumulation_rows as measured_rows
-from zero_lab.grading.nb08_knobs_accumulation import fsdp2_rows
-from zero_lab.grading.nb08_knobs_recompute import volume as ledger_volume
+from zero_lab.course.formatting import spread, table
+from zero_lab.grading import nb08_knobs_accumulation
+from zero_lab.grading.nb08_knobs_accumulation import fsdp2_rows, step_volume
+from zero_lab.grading.nb08_knobs_recompute import volume
 
 KiB = 2**10
 WIDTH = 110  # the longest printed line
@@ -68,10 +68,6 @@ def unit_for(largest_bytes: float) -> tuple[str, int]:
     return "GiB", 2**30
 
 
-def _volume(comm: dict) -> float:
-    return sum(s["volume"] for s in comm.values())
-
-
 def accumulation_rows(report: dict) -> list[dict]:
     """One row per configuration at the largest k: the volume per optimizer step in bytes
     and in Ψ, the step's peak, the optimizer step's time; the torch column names FSDP2's
@@ -84,9 +80,9 @@ def accumulation_rows(report: dict) -> list[dict]:
         torch_name = ACCUMULATION_TORCH.get(run["label"], "")
         theirs = fsdp2.get(ACCUMULATION_FSDP2.get(run["label"], ""))
         if theirs:
-            torch_name += f" (measured: {_volume(theirs['comm']) / theirs['psi_bytes']:g}Ψ)"
+            torch_name += f" (measured: {step_volume(theirs) / theirs['psi_bytes']:g}Ψ)"
         rows.append({"knob": f"accumulation k={k}, {mode}", "stage": run["stage"],
-                     "bytes": _volume(run["comm"]), "psi": run["psi_bytes"],
+                     "bytes": step_volume(run), "psi": run["psi_bytes"],
                      "peak": run["peak_bytes"], "step": run["step_times"],
                      "torch": torch_name})
     return rows
@@ -95,7 +91,7 @@ def accumulation_rows(report: dict) -> list[dict]:
 def recompute_rows(runs: list[dict]) -> list[dict]:
     """Two rows per stage, recompute on and off."""
     return [{"knob": f"recompute {'on' if run['recompute'] else 'off'}", "stage": run["stage"],
-             "bytes": ledger_volume(run["ledger"]),
+             "bytes": volume(run["ledger"]),
              "psi": 4 * sum(g["padded"] for g in run["groups"]),  # fp32 flat buffers
              "peak": run["peak_bytes"], "step": run["step_times"],
              "torch": RECOMPUTE_TORCH[0 if run["stage"] < 3 else 3] if run["recompute"] else ""}
@@ -105,7 +101,7 @@ def recompute_rows(runs: list[dict]) -> list[dict]:
 def precision_rows(runs: list[dict]) -> list[dict]:
     """One row per bf16 recipe: bytes per step (ledger), peak, step time."""
     return [{"knob": f"precision {run['recipe']}", "stage": run["stage"],
-             "bytes": ledger_volume(run["ledger"]), "peak": run["peak_bytes"],
+             "bytes": volume(run["ledger"]), "peak": run["peak_bytes"],
              "step": run["step_times"], "torch": PRECISION_TORCH.get(run["recipe"], "")}
             for run in runs]
 
@@ -141,17 +137,13 @@ def text(rows: list[dict]) -> str:
     `unit_for` the largest), then each knob's name in torch or DeepSpeed (wrapped inside its
     column); no line longer than WIDTH."""
     unit, size = unit_for(max(max(r["bytes"], r["peak"]) for r in rows))
-    cells = [(_bytes_cell(row, size), f"{row['peak'] / size:,.1f}") for row in rows]
-    knob = max(len(r["knob"]) for r in rows)
-    sent = max(len(f"{unit} per step"), *(len(b) for b, _ in cells))
-    peak = max(len(f"peak {unit}"), *(len(p) for _, p in cells))
-    head = (f"{'knob':{knob}s}  stage  {unit + ' per step':>{sent}s}  {'peak ' + unit:>{peak}s}"
-            "  step, median (min-max)")
-    lines = [head, "-" * len(head)]
-    for row, (b, p) in zip(rows, cells, strict=True):
-        lines.append(f"{row['knob']:{knob}s}  {row['stage']!s:5s}  {b:>{sent}s}  {p:>{peak}s}  "
-                     f"{spread_ms(row['step'])}")
-    lines += ["", f"{'knob':{knob}s}  stage  the same knob in torch or DeepSpeed", "-" * len(head)]
+    sent, peak = f"{unit} per step", f"peak {unit}"
+    measured = table([{"knob": row["knob"], "stage": str(row["stage"]),
+                       sent: _bytes_cell(row, size), peak: f"{row['peak'] / size:,.1f}",
+                       "step, median (min-max)": spread_ms(row["step"])} for row in rows],
+                     right=(sent, peak))
+    knob, rule = max(len(r["knob"]) for r in rows), measured.split("\n")[1]
+    lines = [measured, "", f"{'knob':{knob}s}  stage  the same knob in torch or DeepSpeed", rule]
     indent = knob + 2 + 5 + 2
     for row in (r for r in rows if r["torch"]):
         wrapped = textwrap.wrap(row["torch"], WIDTH - indent - 2)
@@ -165,7 +157,7 @@ def accumulation_text(report: dict) -> str:
     between micro-batches, peak, step), then FSDP2's beside the formula and the runs of ours
     that send the same bytes op by op. Every line at most WIDTH characters."""
     k = max(r["k"] for r in report["runs"])
-    ours = [r for r in measured_rows(report) if r["k"] == k]
+    ours = [r for r in nb08_knobs_accumulation.accumulation_rows(report) if r["k"] == k]
     unit, size = unit_for(KiB * max(max(r["sent KiB"], r["peak KiB"]) for r in ours))
     scale = KiB / size  # the rows are in KiB
     lines = [f"k = {k}, rank 0{'':14s}{'sent ' + unit:>9s}  vol Ψ  {'grads ' + unit:>10s}  "

@@ -26,7 +26,7 @@ import torch
 from torch import nn
 
 from zero_lab.course.workloads import Block, TinyGPT
-from zero_lab.grading.framework import Case, fail, run_cases, short_repr
+from zero_lab.grading.framework import Case, run_cases, short_repr, typed
 
 # ----------------------------------------------------------- exercise 1: global grad norm
 
@@ -127,27 +127,6 @@ def global_grad_norm_cases(rng: random.Random | None = None) -> list[Case]:
             for norms, p, why in configs]
 
 
-class WrongType(BaseException):
-    """(what is wrong, hint): the learner's answer is not of the type the exercise returns.
-    Not an Exception, so that run_cases lets it through (as it does TooSlow) and the check
-    names the type it got, instead of comparing values and giving a case's hint."""
-
-
-def typed(fn, problem_of: Callable) -> Callable:
-    """`fn`, raising WrongType when `problem_of(its answer)` says what is wrong with it."""
-    if not callable(fn):
-        return fn  # run_cases says what it got
-
-    def call(*args, **kwargs):
-        got = fn(*args, **kwargs)
-        problem = problem_of(got)
-        if problem is not None:
-            raise WrongType(*problem)
-        return got
-
-    return call
-
-
 def float_type_problem(got) -> tuple[str, str] | None:
     """(what is wrong, hint) when `got` is not a Python float, else None."""
     if type(got) is float:
@@ -160,14 +139,10 @@ def float_type_problem(got) -> tuple[str, str] | None:
 def check_global_grad_norm(fn: Callable) -> None:
     """Notebook 09: fn(shard_norms, norm_type) -> the p-norm of the whole gradient (a float),
     from the p-norm of each rank's shard."""
-    try:
-        run_cases("check_global_grad_norm", typed(fn, float_type_problem),
-                  global_grad_norm_cases(None), compare=close_float,
-                  wrong_answers=GRAD_NORM_WRONG,
-                  shows="you can turn per-rank shard norms into the model's gradient norm, as "
-                        "clip_grad_norm_ does")
-    except WrongType as wrong:
-        fail("check_global_grad_norm", f"your function {wrong.args[0]}", wrong.args[1])
+    run_cases("check_global_grad_norm", typed(fn, float_type_problem),
+              global_grad_norm_cases(None), compare=close_float, wrong_answers=GRAD_NORM_WRONG,
+              shows="you can turn per-rank shard norms into the model's gradient norm, as "
+                    "clip_grad_norm_ does")
 
 
 # --------------------------------------------------------- exercise 2: the fully_shard plan
@@ -388,10 +363,7 @@ def plan_type_problem(got) -> tuple[str, str] | None:
 def check_fully_shard_plan(fn: Callable) -> None:
     """Notebook 09: fn(model, block_type) -> the names of the modules to call fully_shard on,
     in the order to call them (a list of str, "" for the root)."""
-    try:
-        run_cases("check_fully_shard_plan", typed(fn, plan_type_problem),
-                  fully_shard_plan_cases(None), compare=plan_equal, wrong_answers=PLAN_WRONG,
-                  shows="you can wrap a model for FSDP2 bottom-up: one communication group per "
-                        "block, the root last")
-    except WrongType as wrong:
-        fail("check_fully_shard_plan", f"your function {wrong.args[0]}", wrong.args[1])
+    run_cases("check_fully_shard_plan", typed(fn, plan_type_problem),
+              fully_shard_plan_cases(None), compare=plan_equal, wrong_answers=PLAN_WRONG,
+              shows="you can wrap a model for FSDP2 bottom-up: one communication group per "
+                    "block, the root last")

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 
 from zero_lab.course.fsdp2_configs import CONFIGS, MODEL
+from zero_lab.grading.framework import check_ledger_matches
 from zero_lab.grading.nb08_knobs_accumulation import FP32_ATOL
 from zero_lab.memory import model_state_bytes, partition_elements
 from zero_lab.predict.knobs import fsdp2_accumulation_messages
@@ -148,10 +149,9 @@ def ledger_rows(report: dict, world_size: int) -> list[dict]:
 
 def check_ledger(report: dict, world_size: int) -> int:
     """Every run's collectives equal the formula, count and bytes. Returns the runs checked."""
-    for run in report["ledger"]:
-        got, want = measured_messages(run), expected_messages(run, world_size)
-        assert got == want, (run["config"], run["k"], got, want)
-    return len(report["ledger"])
+    return check_ledger_matches(report["ledger"], measured_messages,
+                                lambda run: expected_messages(run, world_size),
+                                lambda run: f"{run['config']} (k = {run['k']})")
 
 
 def check_clip(reports: list[dict]) -> float:

@@ -58,7 +58,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from zero_lab.launch import capacity, log_dirs
-from zero_lab.launch import env as launch_env
+from zero_lab.launch.env import child_env, disk_note, rendezvous_options
 from zero_lab.launch.failures import LaunchError, LaunchTimeout, failure, log_listing
 from zero_lab.launch.rank_side import (
     WorkerInfo,
@@ -165,11 +165,11 @@ def torchrun(
     oom_before = capacity.oom_kills()  # read again if a rank dies: was it the OOM killer?
     log_dirs.sweep()  # the folders of launches whose process is gone (a killed kernel's)
     run_dir = log_dirs.new(script_path.stem)
-    child_env = launch_env.child_env(env, run_dir, chosen)
+    environ = child_env(env, run_dir, chosen)
     command = [
-        # torchrun (`python -m torch.distributed.run`), entered through worker._run_agent
+        # torchrun (`python -m torch.distributed.run`), entered through rank_side._run_agent
         sys.executable, "-m", "zero_lab.launch.rank_side", "--agent",
-        *launch_env.rendezvous_options(run_dir),  # on a file: nothing listens
+        *rendezvous_options(run_dir),  # on a file: nothing listens
         f"--nproc-per-node={nproc}",
         "--max-restarts=0",
         # torchrun's own folder (it would make one in the temp dir per launch and leave it)
@@ -184,10 +184,10 @@ def torchrun(
         with open(launcher_log, "wb") as log:
             # A new session makes torchrun the leader of a process group we can signal as a
             # whole. It also leaves torchrun alone when this process dies without running the
-            # `finally` below (SIGKILL, a SIGTERM it does not handle): worker._run_agent ties
+            # `finally` below (SIGKILL, a SIGTERM it does not handle): rank_side._run_agent ties
             # torchrun's life to this process instead.
             proc = subprocess.Popen(
-                command, env=child_env, stdout=log, stderr=subprocess.STDOUT,
+                command, env=environ, stdout=log, stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL, start_new_session=True,
             )
             try:
@@ -212,7 +212,7 @@ def torchrun(
         )
     if proc.returncode != 0:
         error = failure(script_path, nproc, run_dir, proc.returncode, oom_before)
-        full = launch_env.disk_note(run_dir)
+        full = disk_note(run_dir)
         if full:
             error.args = (f"{error}\n{full}",)
         raise error

@@ -32,7 +32,7 @@ def rendezvous_options(run_dir: Path) -> list[str]:
     address, so the course's single-machine launches use the c10d rendezvous on a FileStore
     in the run folder (mode 0700: this user's only). The agent's second TCP store, shared
     with the ranks, is turned off (TORCH_DISABLE_SHARE_RDZV_TCP_STORE in `child_env`) and
-    the ranks meet on a FileStore of their own (worker.init_worker reads ENV_STORE).
+    the ranks meet on a FileStore of their own (rank_side.init_worker reads ENV_STORE).
 
     `--local-addr` gives the agent its address: without it the rendezvous looks the hostname
     up, which waits ~10 s on a machine whose DNS answers nothing (the agent's other lookups:

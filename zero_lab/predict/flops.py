@@ -11,7 +11,7 @@
 
 from __future__ import annotations
 
-from zero_lab.predict.step_time import _integer, _number
+from zero_lab.predict.links import checked_integer, checked_number
 
 H100_BF16_FLOPS = 989e12  # an H100 SXM's dense bf16 peak, no sparsity (NVIDIA's datasheet)
 # The share of it a step is assumed to sustain, recomputed FLOPs included: a free parameter,
@@ -57,13 +57,13 @@ def flops_per_token(n_params: float, n_layers: int, hidden: int, seq_len: int,
     if recompute not in RECOMPUTE:
         raise ValueError(f"recompute must be one of {list(RECOMPUTE)}; got {recompute!r}")
     matmuls, attention = RECOMPUTE[recompute]
-    return ((6 + 2 * matmuls) * _number("n_params", n_params)
-            + (12 + 4 * attention) * n_layers * hidden * _integer("seq_len", seq_len))
+    return ((6 + 2 * matmuls) * checked_number("n_params", n_params)
+            + (12 + 4 * attention) * n_layers * hidden * checked_integer("seq_len", seq_len))
 
 
 def transformer_compute_time(n_params: float, tokens: float, n_layers: int, hidden: int,
                              seq_len: int, recompute: str = "none",
                              flops_per_s: float = MFU * H100_BF16_FLOPS) -> float:
     """Seconds of one rank's forward + backward (+ recompute) on `tokens` tokens."""
-    return (_number("tokens", tokens) * flops_per_token(n_params, n_layers, hidden, seq_len,
+    return (checked_number("tokens", tokens) * flops_per_token(n_params, n_layers, hidden, seq_len,
                                                         recompute) / flops_per_s)

@@ -33,6 +33,7 @@ are this machine's measurements, and describe this machine only.
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from numbers import Integral, Real
@@ -44,8 +45,18 @@ ALGORITHMS = ("ring", "exchange")
 EXCHANGE_OPS = ("reduce_scatter", "all_gather")  # what the direct exchange implements
 
 
-def _number(name: str, value, *, minimum: float = 0.0, strict: bool = True, top=None):
+def _too_large(name: str, value) -> None:
+    """Refuse an int no float can hold (10**400): the projection computes in floats, where
+    it would raise OverflowError far from the argument that caused it."""
+    if isinstance(value, Integral) and not isinstance(value, bool) and \
+            abs(value) > sys.float_info.max:
+        raise ValueError(f"{name} is too large for a float: an int of {value.bit_length()} "
+                         f"bits, where a float holds less than 2**1024")
+
+
+def checked_number(name: str, value, *, minimum: float = 0.0, strict: bool = True, top=None):
     """`value` if it is a finite real (not a bool) > minimum (>= if not strict), <= top."""
+    _too_large(name, value)
     ok = isinstance(value, Real) and not isinstance(value, bool) and math.isfinite(value)
     if ok:
         ok = (value > minimum if strict else value >= minimum) and (top is None or value <= top)
@@ -56,8 +67,9 @@ def _number(name: str, value, *, minimum: float = 0.0, strict: bool = True, top=
     return value
 
 
-def _integer(name: str, value, minimum: int = 1) -> int:
+def checked_integer(name: str, value, minimum: int = 1) -> int:
     """`value` as an int >= minimum; bools and floats are refused (ranks, buckets)."""
+    _too_large(name, value)
     if not isinstance(value, Integral) or isinstance(value, bool) or value < minimum:
         raise ValueError(f"{name} must be an int >= {minimum}; got {value!r}")
     return int(value)
@@ -97,10 +109,10 @@ class Link:
     algorithm: str = "ring"
 
     def __post_init__(self):
-        _number("alpha", self.alpha, strict=False)
-        _number("beta", self.beta)
+        checked_number("alpha", self.alpha, strict=False)
+        checked_number("beta", self.beta)
         if self.domain is not None:
-            _integer("domain", self.domain, minimum=2)
+            checked_integer("domain", self.domain, minimum=2)
         if self.algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {', '.join(ALGORITHMS)}; "
                              f"got {self.algorithm!r}")
@@ -124,8 +136,8 @@ class Machine:
     source: str = ""
 
     def __post_init__(self):
-        _integer("node_size", self.node_size, minimum=2)
-        _integer("nics_per_node", self.nics_per_node)
+        checked_integer("node_size", self.node_size, minimum=2)
+        checked_integer("nics_per_node", self.nics_per_node)
         if self.intra.domain is not None and self.intra.domain < self.node_size:
             raise ValueError(f"intra link {self.intra.name} joins at most {self.intra.domain} "
                              f"ranks, fewer than node_size {self.node_size}")
@@ -300,8 +312,8 @@ def collective_terms(op: str, nbytes: float, world_size: int,
     """
     if op not in RING_OPS:
         raise ValueError(f"op must be one of {', '.join(RING_OPS)}; got {op!r}")
-    _number("nbytes", nbytes)
-    n = _integer("world_size", world_size)
+    checked_number("nbytes", nbytes)
+    n = checked_integer("world_size", world_size)
     lk = get_link(link)
     if isinstance(lk, OpLinks):
         lk = lk.link(op)

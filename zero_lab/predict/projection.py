@@ -1,7 +1,7 @@
 """Projections beyond this machine: step time and stage choice on machines we do not have.
 
 What the course's collectives would cost on real clusters: the alpha-beta model on the links
-and machines of `interconnect` (published figures) or this machine's fits (`OpLinks`). Every
+and machines of `links` (published figures) or this machine's fits (`OpLinks`). Every
 number is a *projection* (equal links and buckets, one overlap rule for every stage): use it
 for direction and scale, never as a measurement.
 
@@ -58,6 +58,8 @@ from zero_lab.predict.links import (  # noqa: F401  (re-exported: the projection
     Link,
     Machine,
     OpLinks,
+    checked_integer,
+    checked_number,
     collective_terms,
     collective_time,
     fit_link,
@@ -70,13 +72,13 @@ from zero_lab.predict.links import (  # noqa: F401  (re-exported: the projection
 from zero_lab.predict.micro_batches import modes, state_bytes
 from zero_lab.predict.reasons import (
     accumulation_words,
+    gib,
     hybrid_words,
+    label,
     memory_words,
     tensor_parallel_words,
     why_not,
 )
-from zero_lab.predict.reasons import gib as _gib
-from zero_lab.predict.reasons import label as _label
 from zero_lab.predict.step_time import (  # noqa: F401  (re-exported: one step's time)
     ADAM_BYTES_PER_ELEM,
     COLLECTIVES_PER_BUCKET,
@@ -84,8 +86,6 @@ from zero_lab.predict.step_time import (  # noqa: F401  (re-exported: one step's
     DEFAULT_OVERLAP,
     FORWARD_SHARE,
     STAGES,
-    _integer,
-    _number,
     _stage,
     compute_time,
     optimizer_time,
@@ -118,9 +118,9 @@ def hybrid_bytes_per_step(group_numels, stage: int, replicas: int, shards: int,
         across the groups    all-reduce of the averaged slice, P_g / S
     """
     stage = _stage(stage)
-    _integer("replicas", replicas)  # R sets the ring's share of the all-reduce, not its size
-    s = _integer("shards", shards)
-    padded = [s * -(-_integer("group numel", n) // s) for n in group_numels]
+    checked_integer("replicas", replicas)  # R sets the ring's share of the all-reduce, not its size
+    s = checked_integer("shards", shards)
+    padded = [s * -(-checked_integer("group numel", n) // s) for n in group_numels]
     total = sum(padded) * bytes_per_elem
     inside = {"all_gather": (2 if stage == 3 else 1) * total, "reduce_scatter": total}
     return {"shard": inside, "replicate": {"all_reduce": total // s}}
@@ -140,9 +140,9 @@ def peak_floor_bytes(n_params: float, stage: int, buckets: int = DEFAULT_BUCKETS
                      precision: str = "mixed") -> float:
     """Bytes a step holds above model states and activations, which no N divides:
     FLOOR_UNITS[stage] units of Ψ/buckets parameters in the working precision."""
-    _number("n_params", n_params)
+    checked_number("n_params", n_params)
     stage = _stage(stage)
-    k = _integer("buckets", buckets)
+    k = checked_integer("buckets", buckets)
     elem = memory.bytes_per_param(precision)["params"]
     return FLOOR_UNITS[stage] * n_params / k * elem
 
@@ -199,15 +199,15 @@ def candidates(n_params: float, gpu_bytes: float, world_size: int, link, compute
     k > 1 one more row, stage 3 holding its full gradients between micro-batches
     (FSDP2's set_requires_gradient_sync(False): (2k+1)Ψ, the gradients' memory unsharded).
     """
-    _number("n_params", n_params)
-    _integer("world_size", world_size)
-    _integer("buckets", buckets)
-    _number("gpu_bytes", gpu_bytes)
-    _number("activation_bytes", activation_bytes, strict=False)
-    _number("reserve_fraction", reserve_fraction, strict=False, top=0.9)
+    checked_number("n_params", n_params)
+    checked_integer("world_size", world_size)
+    checked_integer("buckets", buckets)
+    checked_number("gpu_bytes", gpu_bytes)
+    checked_number("activation_bytes", activation_bytes, strict=False)
+    checked_number("reserve_fraction", reserve_fraction, strict=False, top=0.9)
     if max_step_s is not None:
-        _number("max_step_s", max_step_s)
-    micro = _integer("accumulation", accumulation)
+        checked_number("max_step_s", max_step_s)
+    micro = checked_integer("accumulation", accumulation)
     elem = memory.bytes_per_param(precision, optimizer)["params"]  # what grads are sent in
     reserve = reserve_fraction * gpu_bytes
     stages = _menu(stages)
@@ -309,13 +309,13 @@ def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_
         ok = [r for r in ok if not (r["stage"] == 3 and r["mesh"] is None
                                     and hsdp[0]["step_s"] <= r["step_s"] * (1 + TIE))]
     flat3 = next(r for r in rows if r["stage"] == 3 and r["mesh"] is None)
-    reserve = f"{_gib(rows[0]['reserve_bytes'])} reserve"
+    reserve = f"{gib(rows[0]['reserve_bytes'])} reserve"
     if ok:
         fastest = min(r["step_s"] for r in ok)
         tied = [r for r in ok if r["step_s"] <= fastest * (1 + TIE)]
         row = min(tied, key=lambda r: (r["volume_psi"], r["collectives"], -r["headroom_bytes"]))
-        reason = (f"{_label(row)}: {memory_words(row)} leave "
-                  f"{_gib(row['headroom_bytes'])} of {_gib(gpu_bytes)} free (>= {reserve}), "
+        reason = (f"{label(row)}: {memory_words(row)} leave "
+                  f"{gib(row['headroom_bytes'])} of {gib(gpu_bytes)} free (>= {reserve}), "
                   f"projected step {row['step_s']:.3g} s ({row['comm_share']:.1%} waiting on "
                   f"communication)")
         others = [why_not(r, row) for r in tied if r is not row]
@@ -324,24 +324,24 @@ def recommend(n_params: float, gpu_bytes: float, world_size: int, link, compute_
         lower = [r for r in rows if r["mesh"] is None and r["stage"] < row["stage"]
                  and not r["fits_memory"]]
         if lower:
-            reason += f"; stage {lower[-1]['stage']} needs {_gib(lower[-1]['per_rank_bytes'])}"
+            reason += f"; stage {lower[-1]['stage']} needs {gib(lower[-1]['per_rank_bytes'])}"
         reason += accumulation_words(row, rows, tied)
         if row["stage"] == 3:
             reason += hybrid_words(row, rows)
         slow = [r for r in fitting if not r["meets_time"]]
         if slow:
-            reason += (f"; {_label(slow[0])} fits but projects {slow[0]['step_s']:.3g} s "
+            reason += (f"; {label(slow[0])} fits but projects {slow[0]['step_s']:.3g} s "
                        f"per step, over max_step_s {max_step_s:g} s")
     elif fitting:
         row = min(fitting, key=lambda r: r["step_s"])
-        reason = (f"{_label(row)} fits in memory ({_gib(row['per_rank_bytes'])} of "
-                  f"{_gib(gpu_bytes)}) but its projected step {row['step_s']:.3g} s is over "
+        reason = (f"{label(row)} fits in memory ({gib(row['per_rank_bytes'])} of "
+                  f"{gib(gpu_bytes)}) but its projected step {row['step_s']:.3g} s is over "
                   f"max_step_s {max_step_s:g} s, the fastest of the stages that fit; a faster "
                   f"link or fewer, larger buckets would cut the communication")
     else:
         row = flat3  # stage 3 with its gradients sharded: the least a rank can hold
-        reason = (f"nothing fits: stage 3 needs {_gib(row['per_rank_bytes'])} per rank "
-                  f"({memory_words(row)}) and the {reserve}, on {_gib(gpu_bytes)}")
+        reason = (f"nothing fits: stage 3 needs {gib(row['per_rank_bytes'])} per rank "
+                  f"({memory_words(row)}) and the {reserve}, on {gib(gpu_bytes)}")
         ranks = _ranks_for_stage3(n_params, gpu_bytes, world_size, link, rows, precision,
                                   optimizer, reserve_fraction)
         shrink = ("a smaller micro-batch" if activations_checkpointed else

@@ -1,7 +1,7 @@
 """One training step projected on machines we do not have: its collectives priced, its
 exposed communication under one overlap rule for every stage.
 
-The alpha-beta model of `interconnect`, applied to a whole step: which collectives each stage
+The alpha-beta model of `links`, applied to a whole step: which collectives each stage
 issues per bucket (unit), what each costs on a Link, a Machine of nodes or this machine's
 fitted OpLinks, and how much of it hides under the compute of forward and backward. Stage 3
 can also run as hybrid sharding (HSDP, `replicas=R`): sharded inside groups of N/R ranks,
@@ -18,14 +18,19 @@ its gradient slices all-reduced across the groups (stages/hybrid.py builds it fo
 
 from __future__ import annotations
 
-import sys
 from numbers import Integral
 
 from zero_lab.collectives.volume import ring_bytes_sent, ring_steps, zero_volume
 from zero_lab.predict.knobs import accumulation_messages
-from zero_lab.predict.links import Machine, OpLinks, collective_terms, collective_time, get_link
-from zero_lab.predict.links import _integer as _checked_integer
-from zero_lab.predict.links import _number as _checked_number
+from zero_lab.predict.links import (
+    Machine,
+    OpLinks,
+    checked_integer,
+    checked_number,
+    collective_terms,
+    collective_time,
+    get_link,
+)
 
 STAGES = (0, 1, 2, 3)
 
@@ -42,26 +47,6 @@ FORWARD_SHARE = 1 / 3  # backward costs about twice the forward's FLOPs (Kaplan 
 ADAM_BYTES_PER_ELEM = 28
 
 
-def _too_large(name: str, value) -> None:
-    """Refuse an int no float can hold (10**400): the projection computes in floats, where
-    it would raise OverflowError far from the argument that caused it."""
-    if isinstance(value, Integral) and not isinstance(value, bool) and \
-            abs(value) > sys.float_info.max:
-        raise ValueError(f"{name} is too large for a float: an int of {value.bit_length()} "
-                         f"bits, where a float holds less than 2**1024")
-
-
-def _number(name: str, value, **bounds):
-    """interconnect's check (a finite real within bounds), an oversized int refused too."""
-    _too_large(name, value)
-    return _checked_number(name, value, **bounds)
-
-
-def _integer(name: str, value, minimum: int = 1) -> int:
-    _too_large(name, value)
-    return _checked_integer(name, value, minimum)
-
-
 def _stage(stage) -> int:
     if not isinstance(stage, Integral) or isinstance(stage, bool) or stage not in STAGES:
         raise ValueError(f"stage must be one of 0, 1, 2, 3; got {stage!r}")
@@ -76,9 +61,9 @@ def compute_time(n_params: float, tokens: float, flops_per_s: float) -> float:
     `compute_s` where there is no measurement; `flops_per_s` is what is *achieved* (for an
     H100's 989 dense bf16 TFLOP/s, 40% utilisation gives about 4e14).
     """
-    _number("n_params", n_params)
-    _number("tokens", tokens)
-    _number("flops_per_s", flops_per_s)
+    checked_number("n_params", n_params)
+    checked_number("tokens", tokens)
+    checked_number("flops_per_s", flops_per_s)
     return 6.0 * n_params * tokens / flops_per_s
 
 
@@ -86,9 +71,9 @@ def optimizer_time(n_params: float, stage: int, world_size: int, bytes_per_s: fl
     """Seconds of one rank's Adam step: the elements it updates (Ψ at stage 0, Ψ/N at stages
     1-3) x ADAM_BYTES_PER_ELEM / the memory bandwidth achieved (an H100's 3.35 TB/s HBM3 at
     ~60% gives about 2e12)."""
-    _number("n_params", n_params)
-    n = _integer("world_size", world_size)
-    _number("bytes_per_s", bytes_per_s)
+    checked_number("n_params", n_params)
+    n = checked_integer("world_size", world_size)
+    checked_number("bytes_per_s", bytes_per_s)
     owned = n_params if _stage(stage) == 0 else n_params / n
     return owned * ADAM_BYTES_PER_ELEM / bytes_per_s
 
@@ -96,8 +81,8 @@ def optimizer_time(n_params: float, stage: int, world_size: int, bytes_per_s: fl
 def oversubscribed(compute_s: float, world_size: int, cores: int) -> float:
     """One rank's compute when `world_size` single-threaded ranks share `cores` cores: each
     gets cores/N of a core once N > cores, so its compute stretches by N/cores."""
-    _number("compute_s", compute_s)
-    n, c = _integer("world_size", world_size), _integer("cores", cores)
+    checked_number("compute_s", compute_s)
+    n, c = checked_integer("world_size", world_size), checked_integer("cores", cores)
     return compute_s * max(1.0, n / c)
 
 
@@ -174,20 +159,20 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     + exposed_s), "accumulation", "comm_share", "network_bytes" (what one GPU sends over a
     Machine's network per step; 0 inside one node or on a Link), "replicas"}.
     """
-    _number("n_params", n_params)
+    checked_number("n_params", n_params)
     stage = _stage(stage)
-    n = _integer("world_size", world_size)
+    n = checked_integer("world_size", world_size)
     lk = get_link(link)
-    _number("compute_s", compute_s)
-    _number("bytes_per_elem", bytes_per_elem)
-    k = _integer("buckets", buckets)
-    _number("overlap", overlap, strict=False, top=1.0)
+    checked_number("compute_s", compute_s)
+    checked_number("bytes_per_elem", bytes_per_elem)
+    k = checked_integer("buckets", buckets)
+    checked_number("overlap", overlap, strict=False, top=1.0)
     if not isinstance(gather_after_step, bool):
         raise ValueError(f"gather_after_step must be True or False; got {gather_after_step!r}")
-    r = _integer("replicas", replicas)
-    _number("optimizer_s", optimizer_s, strict=False)
-    checks = _integer("control", control, minimum=0)
-    micro = _integer("accumulation", accumulation)
+    r = checked_integer("replicas", replicas)
+    checked_number("optimizer_s", optimizer_s, strict=False)
+    checks = checked_integer("control", control, minimum=0)
+    micro = checked_integer("accumulation", accumulation)
     if not isinstance(overlap_step, bool) or overlap_step and stage not in (1, 2):
         raise ValueError(f"overlap_step is True or False, and True only at stages 1-2 (as in "
                          f"shard()); got {overlap_step!r} at stage {stage}")

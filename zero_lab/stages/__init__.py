@@ -6,28 +6,11 @@
     weights = full_state_dict(model)            # same dict on every rank
 
 What each stage shards and when it communicates is told in its own module, top to bottom:
-`ddp.py` (stage 0), `zero1.py`, `zero2.py`, `zero3.py` (with `units.py`). The shared
-mechanics live in `zero_lab/stages/partition.py` (the flat buffers), `gradient_sync.py` (hooks and
-the end-of-backward callback) and `sharded_optimizer.py` (the optimizer wrapper, clipping,
-mixed precision). What keeps torch's own habits right on a sharded model lives beside them:
-`accumulation.py` (`model.no_sync()`), `state_dicts.py` (`model.load_state_dict`),
-`torch_clipping.py` (`torch.nn.utils.clip_grad_norm_`), `buffers.py` (DDP's
-`broadcast_buffers`), `ranks_agree.py` (ranks that were given different things refuse
-together), `lockstep.py` (ranks that drift apart during training fail together, named) and
-`at_rest.py` (stage 3 refuses a read of a resting parameter's piece).
+`ddp.py` (stage 0), `zero1.py`, `zero2.py`, `zero3.py`; each opens with what it adds to its
+plain stage and where, and the package guide (zero_lab/README.md) names every module.
 
-`shard()` changes the model in place and returns it, in three steps that every stage shares
-(read it top to bottom): trainable parameters move into flat buffers (stages 0-2: one per
-bucket of about `bucket_mb` MB, filled in reverse registration order, the order backward
-produces gradients, the first closed at 1 MB as in torch's DDP; stage 3: one per unit, of
-which a rank keeps its slice), every rank starts from rank 0's parameters and buffers
-(broadcast, as torch's DDP does), then the stage installs its hooks and the optimizer is
-built on what this rank updates. Build the optimizer through `shard(..., optimizer=...)`,
-never on `model.parameters()` directly. `model.zero_grad()` is routed to `opt.zero_grad()`.
-
-For the stage modules: a sharded model carries, as attribute `SHARDED_ATTR`, the object whose
-`full_state_dict(model)` method `full_state_dict()` calls (for stages 0-2 the optimizer,
-which knows the flat groups and the fp32 masters).
+`shard()` changes the model in place and returns it, in the three steps its numbered comments
+name. Build the optimizer through `shard(..., optimizer=...)`, never on `model.parameters()`.
 """
 
 from __future__ import annotations
@@ -39,29 +22,23 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.stages.accumulation import (
-    check_accumulation_arguments,
-    check_reshard_size,
-    install_no_sync,
-)
+from zero_lab.stages.accumulation import install_no_sync
+from zero_lab.stages.at_rest import guard_parameters
 from zero_lab.stages.buffers import BufferSync
 from zero_lab.stages.ddp import DataParallel
 from zero_lab.stages.gradient_sync import GradientSync
-from zero_lab.stages.hybrid import make_mesh, mesh_shape
+from zero_lab.stages.hybrid import make_mesh
 from zero_lab.stages.lockstep import Lockstep
 from zero_lab.stages.mixed_precision import (
     COMPUTE_DTYPES,
     ReducedInFp32,
-    check_policy,
     kept_parameter_ids,
     to_compute_dtype,
 )
 from zero_lab.stages.param_gather import ParamGather
-from zero_lab.stages.partition import make_flat_groups
-from zero_lab.stages.ranks_agree import check_ranks_agree
-from zero_lab.stages.recompute import apply_recompute, check_checkpoint_activations
-from zero_lab.stages.recompute import describe as describe_recompute
-from zero_lab.stages.refusals import SHARDED_ATTR, check_arguments, check_model, check_overlap
+from zero_lab.stages.partition import FlatParamGroup, make_flat_groups
+from zero_lab.stages.recompute import apply_recompute
+from zero_lab.stages.refusals import SHARDED_ATTR, check_settings, check_shard_call_agrees
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
     make_plan,
@@ -175,47 +152,29 @@ def shard(
       zero1_variant      "all_reduce": the seed notes' stage 1 (3Ψ a step, not 2Ψ)
 
     The model gets `model.no_sync()` (DDP's; FSDP2's set_requires_gradient_sync(False)),
-    `model.wait_for_params()`, and `model.zero_grad()` routed to the optimizer.
+    `model.wait_for_params()`, and `model.zero_grad()` routed to the optimizer. At stage 3,
+    and at stages 1-2 with overlap_param_gather, its parameters are new objects (as FSDP2's
+    fully_shard makes them; at_rest.py): take references after shard(), and put tensor hooks
+    on them after it too (one put on before is refused).
     """
-    check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
-                     unit_classes, find_unused_parameters, check_order, root_params)
-    check_accumulation_arguments(stage, grad_accumulation, reshard_after_forward)
-    check_reshard_size(reshard_after_forward, dist.get_world_size(), mesh)
-    overlap_param_gather, overlap_grad_reduce = check_overlap(
-        stage, zero1_variant, overlap_param_gather, overlap_grad_reduce, overlap_step)
-    if not isinstance(broadcast_buffers, bool):
-        raise TypeError(f"broadcast_buffers must be True or False, got {broadcast_buffers!r}")
-    if not isinstance(check_lockstep, bool):
-        raise TypeError(f"check_lockstep must be True or False, got {check_lockstep!r}")
-    check_checkpoint_activations(checkpoint_activations)
-    check_policy(precision, keep_fp32, reduce_dtype)
-    if mesh is not None and find_unused_parameters:
-        raise ValueError("find_unused_parameters=True is not supported with a mesh yet: the "
-                         "ranks would agree on which parameters have gradients inside their "
-                         "group only")
-    check_model(model)
-    shape = mesh_shape(mesh) if mesh is not None else None  # checked: no group made yet
+    # Every option as given (the parameters above, before anything else is named here):
+    # what the refusals check and what the ranks compare (refusals.py).
+    options = {name: value for name, value in locals().items()
+               if name not in ("model", "optimizer")}
+    overlap_param_gather, overlap_grad_reduce = check_settings(model, options)
+    if stage == 3 or overlap_param_gather:  # new objects, once, before anything holds them
+        guard_parameters(model, frozen_too=stage == 3)  # (at_rest.py)
     # The optimizer function sees the parameters as the learner wrote the model (full shapes,
     # names' order), before anything changes: its groups are the plan (sharded_optimizer.py).
     trainable = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     plan = make_plan(optimizer, [p for _, p in trainable], list(model.parameters()))
-    _check_ranks_agree(model, plan, stage=stage, precision=precision, transport=transport,
-                       bucket_mb=bucket_mb, prefetch=prefetch, zero1_variant=zero1_variant,
-                       find_unused_parameters=find_unused_parameters, check_order=check_order,
-                       broadcast_buffers=broadcast_buffers, check_lockstep=check_lockstep,
-                       unit_classes=[getattr(c, "__qualname__", repr(c))
-                                     for c in unit_classes or []], root_params=root_params,
-                       checkpoint_activations=describe_recompute(checkpoint_activations),
-                       keep_fp32=[c.__qualname__ for c in keep_fp32],
-                       reduce_dtype=str(reduce_dtype),
-                       grad_accumulation=grad_accumulation,
-                       reshard_after_forward=reshard_after_forward,
-                       mesh=None if shape is None else list(shape),
-                       overlap=[overlap_param_gather, overlap_grad_reduce, overlap_step])
+    check_shard_call_agrees(model, plan, options)
     # The ranks agree on the layout: every rank makes the same process groups, in order.
     layout = make_mesh(mesh) if mesh is not None else None
     compute_dtype = COMPUTE_DTYPES.get(precision)  # None: fp32
     kept = kept_parameter_ids(model, keep_fp32)  # parameters the policy keeps in fp32
+    # reduce_dtype=float32: groups whose gradient reductions run in fp32 (mixed_precision.py)
+    group_type = ReducedInFp32 if reduce_dtype == torch.float32 else FlatParamGroup
 
     # 1. Trainable parameters, each once (a tied weight is one Parameter), into flat groups;
     #    every rank starts from rank 0's values. Stages 0-2: buckets of about bucket_mb, the
@@ -224,7 +183,7 @@ def shard(
     if stage == 3:
         units, masters = make_units(model, unit_classes, transport, compute_dtype,
                                     replicate_root=root_params == "replicate",
-                                    keep_fp32=keep_fp32, mesh=layout)
+                                    keep_fp32=keep_fp32, mesh=layout, group_type=group_type)
         if not isinstance(reshard_after_forward, bool):  # backward gathers over d ranks
             attach_post_forward_groups(units, reshard_after_forward)
         groups = [unit.group for unit in units]
@@ -238,7 +197,7 @@ def shard(
                   for group in make_flat_groups(params[::-1], bucket_mb * 2**20,
                                                 element_size=size, transport=transport,
                                                 first_bucket_bytes=FIRST_BUCKET_MB * 2**20,
-                                                **_levels(layout))]
+                                                group_type=group_type, **_levels(layout))]
         masters = []
         if compute_dtype:
             # fp32 masters of what this rank updates, taken before anything is rounded; a
@@ -250,9 +209,6 @@ def shard(
                 else:
                     masters.append(mine.clone())
                     group.bind(group.flat.to(compute_dtype))
-    if reduce_dtype == torch.float32:  # gradients reduced in fp32 (mixed_precision.py)
-        for group in groups:
-            group.__class__ = ReducedInFp32
 
     # 2. What is not in a flat group (frozen parameters, buffers) stays whole on every rank,
     #    also from rank 0; stage 3 shards the frozen parameters of its units (units.py).
@@ -308,8 +264,8 @@ def shard(
     # Stages 2 and 3 keep gradients where model.zero_grad() cannot see them (the owned
     # slices): route it to the optimizer, so a loop that calls model.zero_grad() stays right.
     model.zero_grad = opt.zero_grad
-    # Recompute (recompute.py) last: the modules' forwards are wrapped, their hooks untouched.
-    apply_recompute(model, checkpoint_activations, unit_classes)
+    if checkpoint_activations:  # last: recompute.py wraps forwards, their hooks untouched
+        apply_recompute(model, checkpoint_activations, unit_classes)
     return model, opt
 
 
@@ -340,15 +296,3 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     if buffers is not None:
         buffers.sync()  # rank 0's buffers, as the next training forward would see them
     return owner.full_state_dict(model)
-
-
-def _check_ranks_agree(model: nn.Module, plan: torch.optim.Optimizer, **settings) -> None:
-    """Refuse, on every rank at once, when the ranks were not given the same thing to shard:
-    every rank describes what it was given (settings, every parameter's and buffer's name,
-    shape and dtype, the optimizer's groups) and ranks_agree.py compares the descriptions."""
-    check_ranks_agree("shard()", {
-        **settings,
-        "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
-                       for n, p in model.named_parameters()],
-        "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
-        "optimizer": [type(plan).__name__] + [len(g["params"]) for g in plan.param_groups]})

@@ -10,49 +10,44 @@ optimizer updates. Code that reads a weight elsewhere would compute with that pi
 
 Without gradients that is silently wrong (each rank reads its own piece); with them autograd
 fails in backward ("PowBackward0 returned an invalid gradient"), far from the line at fault.
-Here such a read is refused at the op, with the parameter, its unit and what to do instead
-in the message (an old-style `torch.nn.utils.weight_norm`, whose forward pre-hook runs
-before the unit is gathered, is refused the same way; the parametrization works).
+Here it is refused at the op, naming the parameter, its unit and what to do instead (an
+old-style `torch.nn.utils.weight_norm`, whose pre-hook runs before the unit is gathered, too).
 
-How. While its unit rests, a parameter's class is `ParameterAtRest`, a subclass of
-nn.Parameter (`p.__class__` is switched by units.py, back to nn.Parameter when the unit is
-gathered: the unit's own forward and backward run with no check at all). Its
-`__torch_function__`, which torch calls for every op that touches it, lets through only what
-is right on a piece:
-- looking at it: attributes (`.shape`, `.grad`, `.data`, `.requires_grad`, ...) and methods
-  that read no values (`numel()`, `detach()`, hook registration, ...);
-- updating it in place under no_grad (`p.copy_(...)`, `p.add_(...)`: `load_state_dict`, an
-  initialiser): every rank writes its own piece of the same update;
-- anything inside a torch optimizer's step (under no_grad, as torch's optimizers run): an
-  element-wise optimizer on the pieces is exact, which is why stage 3 hands it
-  `model.parameters()` (global optimizer-step hooks mark the step);
-- `p.data` (or `p.detach()`) is the piece as a plain tensor, for code that means the piece.
+How. shard() registers, in place of each parameter it guards (stage 3: each of type
+nn.Parameter; stages 1-2 with overlap_param_gather: each trainable one), a new
+`GuardedParameter`, a subclass of nn.Parameter chosen once, as FSDP2 registers DTensors. Its
+state is a flag, `p.zero_lab_state`: "whole", "at rest" (`rest`, when units.py releases its
+unit; `wake` makes it whole) or "in flight" (param_gather.py). Its `__torch_function__`, which
+torch calls for every op that touches it, passes an op whose parameters are all whole (one
+look at each flag), waits for a parameter in flight, and lets through, for one at rest, only
+what is right on a piece:
+- looking at it: attributes (`.shape`, `.grad`, `.data`, ...) and methods that read no
+  values (`numel()`, `detach()`, hook registration, ...);
+- updating it in place under no_grad (`p.copy_(...)`: `load_state_dict`, an initialiser);
+- anything inside a torch optimizer's step (element-wise on the pieces: exact, which is why
+  stage 3 hands it `model.parameters()`; global optimizer-step hooks mark the step);
+- `p.data` (or `p.detach()`): the piece as a plain tensor, for code that means the piece.
 Everything else (an out-of-place op, a reduction, a matmul, indexing) raises.
 
-torch's FSDP2 keeps its parameters at rest as DTensors, whose ops know they are sharded
-(torch 2.13, measured on gloo with the models of tests/workers/stage3_reads.py): the
-parent's read and the L2 term fail there too, with DTensor's "got mixed torch.Tensor and
-DTensor"; a norm computed from the parameters alone is right there (the DTensor ops reduce
-over the ranks), and refused here.
+A new object, not the old one re-classed: a reference taken before shard() is the old one,
+stale as FSDP2's are (not trained, not guarded). The new one keeps its requires_grad,
+attributes and `.grad`; a tied weight is one new object under each name. A tensor hook put on
+a parameter before shard() is refused, naming it (carried, its handle's remove() would miss
+it; left, it would never run). A class of one's own (a subclass of nn.Parameter) stays as is.
 
-Why not the other ways. A TorchFunctionMode active during the sharded model's forward would
-check every op of every forward (a Python call each), and would not see an L2 term computed
-after forward. Making the reads right, as DTensor does for ops on parameters alone, would
-hide a collective inside `p.norm()` (every rank must then read the same weights in the same
-order) and need a path for the gradient back into the piece: DTensor's machinery, not a
-lesson's. The ways the message offers are exact today: `unit_classes` that keep the read
-weight inside the reading module's unit, `opt.clip_grad_norm_` for gradient norms, the
-optimizer's `weight_decay` for an L2 penalty (torch's SGD and Adam add weight_decay·p to the
-gradient: exactly the gradient of weight_decay/2·||p||² in the loss; AdamW's decoupled decay
-is the usual choice), and `full_state_dict(model)` for weights read without gradients.
+With FSDP2's DTensors (torch 2.13, tests/workers/stage3_reads.py's models) the parent's
+read and the L2 term fail too ("mixed torch.Tensor and DTensor"); a norm of the parameters
+alone is right there (DTensor reduces over the ranks), refused here: making reads right would
+hide a collective in `p.norm()` and need DTensor's path for the gradient into the piece. The
+message's ways are exact (the optimizer's `weight_decay`: torch's SGD and Adam add
+weight_decay·p to the gradient, the gradient of weight_decay/2·||p||²).
 
-Cost: nothing inside a unit's call (its parameters are plain nn.Parameters then). At rest,
-each look the stage itself takes at `.grad` (3 per parameter and step, in zero3.py) pays one
-Python call, and every gather and release switches each parameter's class. On the bench
-model (6 x Linear(1024), stage 3, 2 CPU ranks) that is 36 calls x 8.7-9.4 us + 48 switches
-x 0.4 us = 0.33-0.36 ms per step of 300 ms (0.11-0.12%), measured on a 2-core machine
-under load; a wall-clock A/B of the whole step there is noise (-13%..+34%, median +3.6%).
-A parameter of a class of one's own (a subclass of nn.Parameter) is not guarded.
+Cost: every op on a guarded parameter pays one Python call, whole ones too (inside the
+unit's forward and backward, and stages 1-2's forward): 1.2-1.8 us whole, 1.5 us for a look
+at rest, 5.3-5.6 us for an op in an optimizer step (over a plain nn.Parameter). On the bench
+model (6 x Linear(1024), 2 CPU ranks, idle) a step makes 78 calls on whole parameters and 36
+at rest at stage 3 (0.15-0.19 ms of 56 ms, 0.3%; the class swaps cost 0.04 ms), 30 at stage
+2 with overlap_param_gather (0.04-0.05 ms of 39 ms, 0.1%; the class swaps 2 us).
 """
 
 from __future__ import annotations
@@ -63,18 +58,19 @@ from types import MethodWrapperType
 
 import torch
 from torch import nn
-from torch._C import _disabled_torch_function_impl
+from torch.compiler import is_compiling
 from torch.optim.optimizer import (
     register_optimizer_step_post_hook,
     register_optimizer_step_pre_hook,
 )
 
 LABEL_ATTR = "_zero_lab_at_rest"  # on a stage-3 parameter: (name, unit, full shape, slice)
+BUCKET_ATTR = "_zero_lab_in_flight"  # on a parameter of stages 1-2: (its ParamGather, bucket)
+WHOLE, AT_REST, IN_FLIGHT = "whole", "at rest", "in flight"  # a GuardedParameter's state
 
 # Attributes that are views of the values: reading one is a read of the parameter.
 VALUE_ATTRIBUTES = frozenset({"T", "mT", "H", "mH", "real", "imag"})
-# Methods that read no values and hand none out: shape and autograd bookkeeping (a parameter
-# in flight, param_gather.py, lets these pass too).
+# Methods that read no values: shape and autograd bookkeeping (pass at rest and in flight).
 SHAPE_LOOKS = frozenset({
     "size", "dim", "numel", "nelement", "element_size", "stride", "storage_offset",
     "is_contiguous", "is_floating_point", "is_complex", "data_ptr", "get_device",
@@ -82,49 +78,85 @@ SHAPE_LOOKS = frozenset({
 })
 # At rest also the storage, a detached alias and printing: they show the piece as it is.
 LOOKS = SHAPE_LOOKS | {"untyped_storage", "detach", "__repr__"}
+# In flight, `.data` is a read too: it is the tensor the all-gather is still writing.
+IN_FLIGHT_VALUES = VALUE_ATTRIBUTES | {"data"}
+NESTED = (list, tuple)  # an op's arguments that hold tensors (torch.cat, torch._foreach_*)
 
 
-class ParameterAtRest(nn.Parameter):
-    """A stage-3 parameter between its unit's calls: this rank's 1-D piece, guarded."""
+class GuardedParameter(nn.Parameter):
+    """A parameter shard() guards: `zero_lab_state` says whether it is whole (every op passes),
+    at rest (what is right on a piece passes) or in flight (a read waits for its bucket)."""
+
+    zero_lab_state = WHOLE
 
     @classmethod
     def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not _allowed(func, args):
-            p = _piece_in(args)
-            if p is None:
-                p = _piece_in(kwargs)
-            if p is not None:
-                raise RuntimeError(_refusal(func, p))
-        return _disabled_torch_function_impl(func, types, args, kwargs)
+        if not is_compiling() and (_flagged(args) or kwargs and _flagged(kwargs.values())):
+            _guard(func, args, kwargs or {})
+        with torch._C.DisableTorchFunctionSubclass():  # compiled: pre-hooks have waited
+            return func(*args, **(kwargs or {}))
+
+
+def guard_parameters(model: nn.Module, frozen_too: bool) -> None:
+    """Register a GuardedParameter in place of each trainable parameter of `model` whose type
+    is nn.Parameter (with `frozen_too`, each frozen one too), under each of its names."""
+    made: dict[int, GuardedParameter] = {}
+    for name, p in model.named_parameters():
+        if type(p) is nn.Parameter and (p.requires_grad or frozen_too):
+            if p._backward_hooks or p._post_accumulate_grad_hooks:
+                raise ValueError(f"parameter {name} has a tensor hook put on it before shard(), "
+                                 "which registers a new object in its place (as FSDP2 does): "
+                                 "put the hook on the model's parameter after shard()")
+            made[id(p)] = new = GuardedParameter(p.data, p.requires_grad)
+            for key, value in vars(p).items():  # read from the old object, set on the new
+                setattr(new, key, value)
+            new.grad = p.grad
+    for module in model.modules():
+        for key, p in list(module.named_parameters(recurse=False, remove_duplicate=False)):
+            if id(p) in made:
+                module.register_parameter(key, made[id(p)])
 
 
 def label(p: nn.Parameter, name: str, unit: str, shape: torch.Size,
           local: torch.Tensor) -> None:
-    """Remember what the refusal names (the parameter, its unit, its full shape) and the
-    unit's slice `local`, whose storage a parameter at rest is a piece of."""
+    """Keep what the refusal names (parameter, unit, full shape) and the unit's slice."""
     setattr(p, LABEL_ATTR, (name, unit, tuple(shape), local))
     _install_step_hooks()
 
 
 def rest(p: nn.Parameter) -> None:
-    """From now on `p` is its piece: guard it. (A parameter of a class of one's own, a
-    subclass of nn.Parameter, is left as it is.)"""
-    if type(p) is nn.Parameter:
-        p.__class__ = ParameterAtRest
+    """From now on `p` is its piece: guard it (a GuardedParameter; any other stays as is)."""
+    if type(p) is GuardedParameter:
+        p.zero_lab_state = AT_REST
 
 
 def wake(p: nn.Parameter) -> None:
-    """`p` is about to be the full parameter again: a plain nn.Parameter."""
-    if type(p) is ParameterAtRest:
-        p.__class__ = nn.Parameter
+    """`p` is about to be the full parameter again: whole."""
+    if type(p) is GuardedParameter:
+        p.zero_lab_state = WHOLE
 
 
 # ------------------------------------------------------------------ what passes
-# The torch optimizers whose step has begun and not ended. A set, not a count: a step that
-# raises never reaches its post-hook, and a count would stay up for good (every later read
-# under no_grad passing, on that rank only); in the set, that optimizer's next step that ends
-# closes it, and a weak set forgets an optimizer that is gone.
+def _flagged(items) -> bool:
+    """A GuardedParameter in `items` (lists and tuples looked into) is not whole."""
+    return any(getattr(a, "zero_lab_state", WHOLE) != WHOLE or type(a) in NESTED and _flagged(a)
+               for a in items)
+
+
+def _guard(func, args, kwargs) -> None:
+    """A look passes; an op on a parameter in flight waits for its bucket; one on a parameter
+    at rest is refused unless it is right on a piece."""
+    if not is_look(func, SHAPE_LOOKS, IN_FLIGHT_VALUES):  # a look passes in either state
+        for p in list(instances_in((args, kwargs), GuardedParameter)):
+            if p.zero_lab_state == IN_FLIGHT:
+                gather, g = getattr(p, BUCKET_ATTR)
+                gather.wait(g)  # its bucket's parameters whole (param_gather.py)
+            elif p.zero_lab_state == AT_REST and not _allowed(func, args) and _is_piece(p):
+                raise RuntimeError(_refusal(func, p))
+
+
+# The torch optimizers whose step has begun and not ended: a set, not a count (a step that
+# raises never reaches its post-hook), weak (an optimizer that is gone is forgotten).
 _stepping: weakref.WeakSet = weakref.WeakSet()
 
 
@@ -137,32 +169,25 @@ def is_look(func, looks: frozenset, value_attributes: frozenset) -> bool:
 
 
 def instances_in(obj, cls):
-    """Every `cls` in an op's arguments, lists, tuples and dicts looked into."""
+    """Every `cls` in an op's arguments, lists and tuples looked into (dicts: kwargs)."""
     if isinstance(obj, cls):
         yield obj
-        return
-    items = obj.values() if isinstance(obj, dict) else obj if isinstance(obj, (list, tuple)) else ()
-    for item in items:
+    for item in obj.values() if isinstance(obj, dict) else obj if type(obj) in NESTED else ():
         yield from instances_in(item, cls)
 
 
 def _allowed(func, args) -> bool:
-    if is_look(func, LOOKS, VALUE_ATTRIBUTES):
-        return True
-    if torch.is_grad_enabled():  # autograd would record a read of the piece
-        return False
-    return bool(_stepping) or _writes_in_place(func, args)
+    """A look; under no_grad (else autograd records a read), a step or a write in place."""
+    return is_look(func, LOOKS, VALUE_ATTRIBUTES) or not torch.is_grad_enabled() and (
+        bool(_stepping) or _writes_in_place(func, args))
 
 
 def _writes_in_place(func, args) -> bool:
     """`p.add_(...)`, `p.copy_(...)`, `torch._foreach_mul_([p, ...], ...)`: p is written."""
-    name = func.__name__
-    if not name.endswith("_") or name.startswith("__") or not args:
-        return False
-    target = args[0]
-    if isinstance(target, (list, tuple)):
-        return any(isinstance(t, ParameterAtRest) for t in target)
-    return isinstance(target, ParameterAtRest)
+    name, target = func.__name__, args[0] if args else None
+    return name.endswith("_") and not name.startswith("__") and any(
+        getattr(t, "zero_lab_state", None) == AT_REST for t in (
+            target if type(target) in NESTED else [target]))
 
 
 def _step_begins(optimizer, *_args) -> None:
@@ -183,19 +208,15 @@ def _install_step_hooks() -> None:
 
 
 # ------------------------------------------------------------------ what is said
-def _piece_in(obj) -> ParameterAtRest | None:
-    """The first guarded parameter in an op's arguments (lists and dicts looked into) that is
-    its piece. (Code that re-points `.data` itself, as notebook 05's exercises do with a
-    bare unit, makes the parameter whole without the stage's `wake`: then it passes.)"""
-    for p in instances_in(obj, ParameterAtRest):
-        local = getattr(p, LABEL_ATTR)[3]
-        with torch._C.DisableTorchFunctionSubclass():
-            if p.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-                return p
-    return None
+def _is_piece(p: GuardedParameter) -> bool:
+    """`p` at rest is its piece. (Code that re-points `.data` itself, as notebook 05's
+    exercises do with a bare unit, makes it whole without the stage's `wake`: it passes.)"""
+    local = getattr(p, LABEL_ATTR)[3]
+    with torch._C.DisableTorchFunctionSubclass():
+        return p.untyped_storage().data_ptr() == local.untyped_storage().data_ptr()
 
 
-def _refusal(func, p: ParameterAtRest) -> str:
+def _refusal(func, p: GuardedParameter) -> str:
     name, unit, shape, _ = getattr(p, LABEL_ATTR)
     what = func.__self__.__name__ if type(func) is MethodWrapperType else func.__name__
     with torch._C.DisableTorchFunctionSubclass():

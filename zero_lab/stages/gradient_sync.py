@@ -1,41 +1,26 @@
 """What every data-parallel stage does during backward: hooks, buckets, the final callback.
 
-Stages 0, 1 and 2 differ only in *what they do with a gradient* and *when*; the plumbing that
-tells them "this parameter's gradient is ready", "this whole group (bucket) is ready" and
-"backward is over" is shared, and lives here:
+Each stage registers its own gradient hook (`on_grad`) and writes its own end of backward
+(`end_of_backward`), as the plain stages do; the calls they share live here:
 
-- a post-accumulate-grad hook on every trainable parameter fires once per backward, after
-  autograd has added this backward's contribution to `p.grad` (a tied weight used twice
-  still fires once, with both contributions summed);
-- groups are handed to the stage in one fixed order (`handover_order`), a group only once
-  all groups before it were, so every rank issues the same collectives in the same order
-  even when readiness differs (a rank that did not use a parameter this step);
-- the first hook of a backward queues a callback on the autograd engine
-  (`Variable._execution_engine.queue_callback`, as torch's DDP does): it runs when backward
-  has finished, flushes the groups whose gradients never arrived and lets the stage wait for
-  its collectives in flight. So when `loss.backward()` returns, gradients are final.
+- `hook_each_gradient(on_grad)`: a post-accumulate-grad hook on every trainable parameter,
+  which fires once per backward, after autograd has added this backward's contribution to
+  `p.grad` (a tied weight used twice still fires once, with both contributions summed);
+- `gradient_arrived(g, i)`: the first of a backward queues the stage's `end_of_backward` on
+  the autograd engine (`Variable._execution_engine.queue_callback`, as torch's DDP does), so
+  when `loss.backward()` returns, gradients are final;
+- `groups_ready(g)`: the groups whose gradients are all in, in one fixed order
+  (`handover_order`), a group only once all groups before it were, so every rank issues the
+  same collectives in the same order even when readiness differs (a rank that did not use a
+  parameter this step); `groups_left()` at the end of backward: those that never filled;
+- `backward_over()`: which parameters have a gradient (unused_params.py: unused and frozen
+  ones), no_sync's bookkeeping;
 - a backward that raises (an out-of-memory error caught by an OOM-skip loop, a NaN guard)
   never reaches that callback: the next `zero_grad()` or backward notices the callback still
   pending, finishes the collectives that backward had started (every rank started the same
   ones if every rank failed at the same place) and forgets its half-done bookkeeping, so
   training goes on as in one process. (A backward that fails on one rank only leaves the
   others waiting in a collective, as with torch's DDP.)
-
-Which parameters have a gradient at all. In one process a parameter that no backward since
-the last `zero_grad()` used keeps `.grad = None`, and the optimizer leaves it and its state
-alone (Adam does not move it, AdamW does not decay it). Flat buffers blur that: a group is
-reduced as a whole, and an unused parameter's part of it is just zeros. So the stages keep
-one flag per parameter, `has_grad[g][i]`, cleared by `zero_grad(set_to_none=True)`; `.grad`
-is None while it is down, and the optimizer (sharded_optimizer.py) steps only the parameters
-whose flag is up. How it is raised is torch DDP's contract:
-- by default every trainable parameter must get a gradient in every backward (the hooks
-  check it for free); one that does not is refused with its name, pointing to
-- `find_unused_parameters=True`: at the end of every backward the ranks agree on the flags
-  with one all-reduce of one byte per parameter, taking the maximum (a parameter used on any
-  rank has a gradient, as it would in one process on the global batch). DDP does the same
-  all-reduce under the same option; the ledger shows it.
-
-A stage subclasses `GradientSync` and fills in the methods at the bottom.
 
 Not supported (as with torch's DDP without static_graph): reentrant activation
 checkpointing (`torch.utils.checkpoint(..., use_reentrant=True)`), whose inner backward
@@ -48,34 +33,36 @@ import weakref
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zero_lab.stages.accumulation import MICRO_BATCHES_DIFFER, refuse_unsynced_step
-from zero_lab.stages.finish_in_flight import InFlightWork
 from zero_lab.stages.lockstep import Lockstep
-from zero_lab.stages.partition import FlatParamGroup
+from zero_lab.stages.param_gather import ParamGather
+from zero_lab.stages.partition import FlatParamGroup, InFlight
+from zero_lab.stages.unused_params import agree_on_grads, refuse_unfrozen
 
 
-def _weak_hook(sync: GradientSync, g: int, i: int) -> Callable[[torch.Tensor], None]:
-    """The post-accumulate-grad hook of parameter i of group g; it holds `sync` weakly.
+def _weak_hook(on_grad: Callable, g: int, i: int) -> Callable[[torch.Tensor], None]:
+    """The post-accumulate-grad hook of parameter i of group g: `on_grad(g, i, param)`, a
+    stage's method, held weakly.
 
     torch keeps a tensor's post-accumulate-grad hooks where Python's garbage collector cannot
-    see them: a hook holding `sync`, which holds the parameters, would be a reference cycle
-    that is never freed, and a dropped model would keep its memory for good.
+    see them: a hook holding the stage, which holds the parameters, would be a reference
+    cycle that is never freed, and a dropped model would keep its memory for good.
     """
-    ref = weakref.ref(sync)
+    ref = weakref.WeakMethod(on_grad)
 
     def hook(param: torch.Tensor) -> None:
-        owner = ref()
-        if owner is not None:
-            owner._on_grad_accumulated(g, i, param)
+        method = ref()
+        if method is not None:
+            method(g, i, param)
 
     return hook
 
 
-class GradientSync(InFlightWork):
-    """Base class of the stages: runs the hooks, calls the stage's methods in order.
+class GradientSync:
+    """Base class of the stages: the state and the calls their gradient paths share (each
+    stage registers its own hook and calls them from it).
 
     `step_params[i]` is the tensor the optimizer updates for group i (the whole flat buffer
     for stage 0, this rank's slice for stages 1 and 2); after backward its `.grad` is the
@@ -84,6 +71,7 @@ class GradientSync(InFlightWork):
 
     stage: int = -1
     sharded: bool = False  # does the optimizer step on this rank's slice only?
+    grad_accumulation = "unsharded"  # what no_sync keeps: stages 2-3 take shard()'s choice
 
     def __init__(self, groups: list[FlatParamGroup], find_unused_parameters: bool = False
                  ) -> None:
@@ -121,19 +109,33 @@ class GradientSync(InFlightWork):
         self.unsynced = False
         self.backwards_since_step = 0  # in the lockstep check's fingerprint
         self._arrived_unsynced: list[list[bool]] | None = None  # find_unused, under no_sync
-        self.init_in_flight()  # overlap (finish_in_flight.py): nothing in flight yet
+        # Overlap (shard()'s options, stages 1-2): all-gathers left for the next forward
+        # (param_gather.py), reductions for opt.step() (`overlap_step`).
+        self.param_gather: ParamGather | None = None
+        self.reductions: InFlight | None = None  # stages 1-3: reductions sent, not landed
+        self.overlap_step = False
         # reduce_dtype=float32 (mixed_precision.land_wide): per 16-bit group, the fp32 average
         # the optimizer steps on; `.grad` shows its rounding. None: none since zero_grad.
         self.main_grads: list[torch.Tensor | None] = [None] * len(groups)
         self._hook_handles: list = []
-        for g, group in enumerate(groups):
-            for i, p in enumerate(group.params):
-                hook = _weak_hook(self, g, i)
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
 
     # ------------------------------------------------------------------ plumbing
+    def hook_each_gradient(self, on_grad: Callable[[int, int, torch.Tensor], None]) -> None:
+        """`on_grad(g, i, param)` once per backward for parameter i of group g, when its
+        gradient is complete (a post-accumulate-grad hook)."""
+        for g, group in enumerate(self.groups):
+            for i, p in enumerate(group.params):
+                hook = _weak_hook(on_grad, g, i)
+                self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+
+    def gradient_arrived(self, g: int, i: int) -> None:
+        """Parameter i of group g has its gradient (the first of a backward queues
+        `end_of_backward`)."""
+        self.queue_backward_callback()
+        self._arrived_here[g][i] = True
+
     def queue_backward_callback(self) -> None:
-        """Once per backward: ask autograd to call `_on_backward_done` when it finishes."""
+        """Once per backward: ask autograd to call `end_of_backward` when it finishes."""
         task = torch._C._current_graph_task_id()
         if self._callback_queued:
             if task == self._backward_task:
@@ -142,7 +144,7 @@ class GradientSync(InFlightWork):
         self._callback_queued = True
         self._syncing = self.requires_sync  # this whole backward sends, or keeps, its gradients
         self._backward_task = task
-        torch.autograd.Variable._execution_engine.queue_callback(self._on_backward_done)
+        torch.autograd.Variable._execution_engine.queue_callback(self.end_of_backward)
 
     def abandon_unfinished_backward(self) -> None:
         """If a backward raised before its end-of-backward callback ran, put the stage back
@@ -160,41 +162,82 @@ class GradientSync(InFlightWork):
         self._callback_queued = False
         self._backward_task = -1
 
-    def _on_grad_accumulated(self, g: int, i: int, param: torch.Tensor) -> None:
-        self.queue_backward_callback()
-        self._arrived_here[g][i] = True
-        self.on_param_grad(g, i, param)
+    def groups_ready(self, g: int) -> list[int]:
+        """One more gradient of group g is in: the groups to send now, in `handover_order`
+        (all their gradients in, every group before them sent)."""
         self._ready_params[g] += 1
-        self._hand_over_ready_groups()
-
-    def _hand_over_ready_groups(self) -> None:
-        """Hand over, in `handover_order`, every group whose gradients have all arrived."""
-        order = self.handover_order
+        order, ready = self.handover_order, []
         while self._handed_over < len(order):
-            g = order[self._handed_over]
-            if self._ready_params[g] < len(self.groups[g].params):
-                return  # later groups wait for this one: every rank keeps the same order
-            self._hand_over(g)
+            h = order[self._handed_over]
+            if self._ready_params[h] < len(self.groups[h].params):
+                break  # later groups wait for this one: every rank keeps the same order
+            ready.append(h)
+            self._handed_over += 1
+        return self._first_collective_checked(ready)
 
-    def _hand_over(self, g: int) -> None:
-        if self._handed_over == 0 and not self.defers():
-            self.before_first_collective("backward")
-        self.on_group_ready(g)
-        self._handed_over += 1
+    def groups_left(self) -> list[int]:
+        """At the end of backward: the groups never filled, in order. They hold parameters
+        that got no gradient in this backward (unused this step): their gradient is zero,
+        and every rank must still join their collectives. (First, a parameter unfrozen since
+        shard() is refused: unused_params.py.)"""
+        refuse_unfrozen(self.frozen)
+        left = self.handover_order[self._handed_over:]
+        self._handed_over = len(self.handover_order)
+        return self._first_collective_checked(left)
 
-    def _on_backward_done(self) -> None:
-        self._refuse_unfrozen()
-        # Groups still waiting hold parameters that got no gradient in this backward (unused
-        # this step): their gradient is zero, and every rank must still join the collective.
-        while self._handed_over < len(self.handover_order):
-            self._hand_over(self.handover_order[self._handed_over])
-        self.on_backward_end()
-        self._agree_on_grads()
+    def _first_collective_checked(self, groups: list[int]) -> list[int]:
+        if groups and self._handed_over == len(groups) and not self.defers():
+            self.before_first_collective("backward")  # lockstep.py, before the first send
+        return groups
+
+    def backward_over(self) -> None:
+        """The end of `end_of_backward`: which parameters have a gradient now, on every rank
+        (unused_params.py), and the bookkeeping of one more backward."""
+        agree_on_grads(self)
         self.unsynced = self.defers()
         self.backwards_since_step += 1
         self._ready_params = [0] * len(self.groups)
         self._handed_over = 0
         self._callback_queued = False
+
+    # ------------------------------------------------------------------ in flight (overlap)
+    def all_gather_params(self, gs: list[int] | None = None) -> None:
+        """Stages 1 and 2, after the optimizer step: every rank's updated slice -> the full
+        parameters everywhere, one all_gather_single per group (not N broadcasts); with
+        overlap_param_gather only issued, for the next forward to wait on (param_gather.py)."""
+        if self.param_gather is not None:
+            self.param_gather.issue(gs)
+            return
+        for g in range(len(self.groups)) if gs is None else gs:
+            group = self.groups[g]
+            group.all_gather(group.flat, group.shard(group.flat))  # in place
+
+    def wait_for_params(self) -> None:
+        """Every parameter whole and up to date: the all-gathers opt.step() left in flight
+        (overlap_param_gather) are finished. Nothing to do otherwise."""
+        if self.param_gather is not None:
+            self.param_gather.wait_all()
+
+    def land_reductions(self) -> None:
+        """Every gradient reduction still in flight has landed (stages 1-2 send them)."""
+        if self.reductions is not None:
+            self.reductions.land(keep=0)
+
+    def land_through(self, g: int) -> None:
+        """overlap_step: group g's reduction (and those sent before it) has landed."""
+        if self.reductions is not None:
+            self.reductions.land_through(g)
+
+    def settle(self) -> None:
+        """Nothing in flight any more: gradients final, parameters whole."""
+        self.land_reductions()
+        self.wait_for_params()
+
+    def landing_order(self) -> list[int]:
+        """overlap_step: the order the optimizer steps groups in: those landed already, then
+        those in flight, in the order they were sent."""
+        sent = self.reductions.groups() if self.reductions is not None else []
+        return [g for g in range(len(self.groups)) if g not in sent] + sent
 
     # ------------------------------------------------------------------ lockstep
     def check_lockstep(self, phase: str, fingerprint: int = 0, detail=None,
@@ -231,8 +274,8 @@ class GradientSync(InFlightWork):
     # ------------------------------------------------------------------ accumulation
     def defers(self) -> bool:
         """Does the backward running now keep its gradients on this rank (no_sync)? Stages
-        0 and 1 always can (they hold a full gradient buffer); stages 2-3 override."""
-        return not self._syncing
+        0 and 1 always can (a full gradient buffer); stages 2-3 with "unsharded" only."""
+        return not self._syncing and self.grad_accumulation == "unsharded"
 
     def drop_unsynced(self) -> None:
         """zero_grad(): what no_sync accumulated is gone with the gradients (and main_grads)."""
@@ -240,143 +283,23 @@ class GradientSync(InFlightWork):
         self._arrived_unsynced = None
         self.main_grads = [None] * len(self.groups)
 
-    def _refuse_unfrozen(self) -> None:
-        unfrozen = [name for name, p in self.frozen if p.requires_grad]
-        if unfrozen:
-            raise RuntimeError(
-                f"{', '.join(unfrozen)} was frozen (requires_grad=False) when shard() ran and "
-                "has been unfrozen since: shard() laid out only the parameters trainable then, "
-                "so its gradient would never be averaged nor stepped. Unfreeze it before "
-                "shard(); for progressive unfreezing, keep it trainable with lr=0 in a "
-                "parameter group of its own and raise that group's lr when its time comes")
-
-    def _agree_on_grads(self) -> None:
-        """Every rank learns which parameters have a gradient now; `.grad` follows."""
-        arrived_here = self._arrived_here
-        self._arrived_here = [[False] * len(g.params) for g in self.groups]
-        if self.find_unused_parameters:  # the ranks agree once, when the gradients are sent
-            if self._arrived_unsynced is not None:
-                arrived_here = [[a or b for a, b in zip(x, y, strict=True)]
-                                for x, y in zip(arrived_here, self._arrived_unsynced,
-                                                strict=True)]
-                self._arrived_unsynced = None
-            if self.defers():
-                self._arrived_unsynced = arrived_here
-                return
-        if not self.find_unused_parameters:
-            missing = sorted(name for group, arrived in zip(self.groups, arrived_here,
-                                                            strict=True)
-                             for name, a in zip(group.names, arrived, strict=True) if not a)
-            if missing:
-                raise RuntimeError(
-                    f"{len(missing)} trainable parameter(s) got no gradient in this backward "
-                    f"on rank {self.groups[0].rank}: {', '.join(missing[:5])}"
-                    f"{' ...' if len(missing) > 5 else ''}. If the model really leaves "
-                    "parameters unused in some steps (or on some ranks), pass "
-                    "find_unused_parameters=True to shard(), as with torch's DDP (one more "
-                    "small all-reduce per backward); else make every parameter take part in "
-                    "the loss, or freeze it (requires_grad=False) before shard()")
-            self.has_grad = [[True] * len(g.params) for g in self.groups]
-            return
-        flags = torch.tensor([a or h for arrived, had in zip(arrived_here, self.has_grad,
-                                                               strict=True)
-                              for a, h in zip(arrived, had, strict=True)],
-                             dtype=torch.uint8, device=self.groups[0].device)
-        if self.world_size > 1:
-            dist.all_reduce(flags, op=dist.ReduceOp.MAX, group=self.groups[0].process_group)
-        flat, k = flags.tolist(), 0
-        for g, group in enumerate(self.groups):
-            self.has_grad[g] = [bool(f) for f in flat[k:k + len(group.params)]]
-            k += len(group.params)
-            for p, has in zip(group.params, self.has_grad[g], strict=True):
-                if not has:
-                    p.grad = None
-
     def clear_has_grad(self) -> None:
         """`zero_grad(set_to_none=True)`: no parameter has a gradient until the next backward."""
         self.has_grad = [[False] * len(g.params) for g in self.groups]
 
-    def remove_hooks(self) -> None:
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles.clear()
-
     def group_sharded(self, g: int) -> bool:
         """Does the optimizer step only this rank's slice of group g?"""
         return self.sharded and not self.replicated[g]
-
-    # ------------------------------------------------------------------ shared helpers
-    def make_grad_buffers(self) -> None:
-        """Stages 0 and 1: one full flat gradient buffer per group, allocated once and reused
-        every step; a parameter's `.grad`, when it has one, is a view of it."""
-        self.grad_buffers = [group.new_full() for group in self.groups]
-        self.grad_views = [group.views(buf) for group, buf
-                           in zip(self.groups, self.grad_buffers, strict=True)]
-        self.zero_grad_buffers(set_to_none=True)
-
-    def zero_grad_buffers(self, set_to_none: bool) -> None:
-        """`zero_grad()` for stages 0 and 1: zero the persistent gradient buffers in place
-        (reused, never freed, as torch's DDP does with gradient_as_bucket_view).
-
-        set_to_none=True: every `.grad` becomes None, as in one process; autograd then
-        allocates the next gradients and `adopt_grad` copies them into the buffer (torch's
-        DDP pays the same copy), and `adopt_grads` zeroes the part of a parameter that got
-        none: every element is written before it is read, so the buffer need not be zeroed
-        here. set_to_none=False: a parameter that has a gradient keeps it, as a zeroed view of
-        the buffer, and autograd accumulates straight into it."""
-        if set_to_none:
-            self.clear_has_grad()
-            for step_param in self.step_params:  # given back when backward ends
-                step_param.grad = None
-        for g, (group, buf, views) in enumerate(zip(self.groups, self.grad_buffers,
-                                                    self.grad_views, strict=True)):
-            if not set_to_none:
-                buf.zero_()
-            for p, view, has in zip(group.params, views, self.has_grad[g], strict=True):
-                p.grad = view if has else None
-
-    def adopt_grad(self, g: int, i: int, param: torch.Tensor) -> None:
-        """From the hook: parameter i of group g's gradient into the flat buffer, at once.
-
-        After a zero_grad that set `.grad` to None, autograd made the gradient a tensor of its
-        own: copy it into the parameter's view of the buffer (and free it) while it is fresh
-        in cache, rather than all of them when the group or backward ends."""
-        view = self.grad_views[g][i]
-        if param.grad.data_ptr() != view.data_ptr():
-            view.copy_(param.grad)
-            param.grad = view
-
-    def adopt_grads(self, g: int, grad_views: list[torch.Tensor]) -> None:
-        """Make every `.grad` of group g its view of the group's persistent gradient buffer.
-
-        Stages 0 and 1 let autograd accumulate straight into one flat gradient buffer per
-        group (`param.grad` is a view of it, like DDP's gradient_as_bucket_view). If
-        something set a `.grad` to None (a hand-written zero_grad loop), autograd allocated a
-        fresh `.grad` this time: copy it into the buffer; a `.grad` still None (the
-        parameter was not used since) contributes zeros.
-        """
-        for p, view in zip(self.groups[g].params, grad_views, strict=True):
-            if p.grad is None:
-                view.zero_()
-            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
-                view.copy_(p.grad)
-            else:
-                continue
-            p.grad = view
 
     def full_flat_params(self, g: int) -> torch.Tensor:
         """Group g's full flat parameters (stages 0-2 hold them; stage 3 all-gathers)."""
         return self.groups[g].flat
 
     # ------------------------------------------------------------------ what stages define
-    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
-        """`param`, the i-th of group g, has this backward's gradient in `param.grad`."""
-
-    def on_group_ready(self, g: int) -> None:
-        """Every gradient of group g has arrived (called in group order, once per backward)."""
-
-    def on_backward_end(self) -> None:
-        """Backward is over: finish the communication; `step_params[i].grad` must be final."""
+    def end_of_backward(self) -> None:
+        """Backward is over: send `groups_left()`, finish the communication (each
+        `step_params[i].grad` final), then `backward_over()`."""
+        raise NotImplementedError
 
     def on_backward_abandoned(self) -> None:
         """A backward raised half-way: finish what it sent, drop what it half-filled."""
@@ -389,6 +312,58 @@ class GradientSync(InFlightWork):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         raise NotImplementedError
+
+
+class FullGradients:
+    """Stage 0's gradient path, which stage 1 uses too: one full flat gradient buffer per
+    group, allocated once and reused every step (never freed, as torch's DDP with
+    gradient_as_bucket_view); a parameter's `.grad`, when it has one, is a view of it."""
+
+    def __init__(self, sync: GradientSync) -> None:
+        self.sync = sync
+        self.flat_grads = [group.new_full() for group in sync.groups]
+        self.views = [group.views(buf) for group, buf in zip(sync.groups, self.flat_grads,
+                                                             strict=True)]
+        self.zero_grad(set_to_none=True)
+
+    def zero_grad(self, set_to_none: bool) -> None:
+        """set_to_none=True: every `.grad` becomes None, as in one process; autograd then
+        allocates the next gradients and `adopt` copies them into the buffer (torch's DDP
+        pays the same copy), and `adopt_all` zeroes the part of a parameter that got none:
+        every element is written before it is read, so the buffer need not be zeroed here.
+        set_to_none=False: a parameter that has a gradient keeps it, as a zeroed view of the
+        buffer, and autograd accumulates straight into it."""
+        sync = self.sync
+        if set_to_none:
+            sync.clear_has_grad()
+            for step_param in sync.step_params:  # given back when backward ends
+                step_param.grad = None
+        for g, (group, buf, views) in enumerate(zip(sync.groups, self.flat_grads, self.views,
+                                                    strict=True)):
+            if not set_to_none:
+                buf.zero_()
+            for p, view, has in zip(group.params, views, sync.has_grad[g], strict=True):
+                p.grad = view if has else None
+
+    def adopt(self, g: int, i: int, param: torch.Tensor) -> None:
+        """From the hook: a gradient autograd made a tensor of its own (after a zero_grad that
+        set `.grad` to None) is copied into the parameter's view at once, while in cache."""
+        view = self.views[g][i]
+        if param.grad.data_ptr() != view.data_ptr():
+            view.copy_(param.grad)
+            param.grad = view
+
+    def adopt_all(self, g: int) -> None:
+        """Every `.grad` of group g its view of the buffer: a fresh `.grad` (something set it
+        to None since) is copied in, one still None (not used since) contributes zeros."""
+        for p, view in zip(self.sync.groups[g].params, self.views[g], strict=True):
+            if p.grad is None:
+                view.zero_()
+            elif p.grad.data_ptr() != view.data_ptr() or p.grad.shape != view.shape:
+                view.copy_(p.grad)
+            else:
+                continue
+            p.grad = view
 
 
 def clear_grads(tensors: list[torch.Tensor], set_to_none: bool = True) -> None:

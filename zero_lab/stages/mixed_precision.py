@@ -39,9 +39,9 @@ A precision *policy* refines the recipe in two ways, as torch FSDP2's MixedPreci
   optimizer steps on (`sync.main_grads`; FSDP2 casts the reduce-scatter's output to its
   fp32 sharded parameter's dtype). The 16-bit `.grad` beside it shows its rounding; the
   fp32 average adds 4 bytes an element of what the rank steps (its slice; at stage 0 the
-  whole) from backward to zero_grad, which `measured.held_bytes` does not count. Summing N
-  16-bit gradients on the way rounds at every partial sum and the 16-bit average once more;
-  in fp32 the step sees the average unrounded, at every N (N = 2 included). Accumulating
+  whole) from backward to zero_grad, which `measure.memory.held_bytes` does not count.
+  Summing N 16-bit gradients on the way rounds at every partial sum and the 16-bit average
+  once more; in fp32 the step sees the average unrounded, at every N (N = 2 included). Accumulating
   backwards add their fp32 averages in fp32 at every stage (stages 0-1 clear their 16-bit
   buffer's rounding before the next backward adds into it: install_fresh_start).
 """
@@ -170,9 +170,13 @@ class ReducedInFp32(FlatParamGroup):
     The 16-bit full buffer is widened to fp32 and reduced. Given an fp32 output (what the
     stages pass: the reduced slice is the master's gradient, kept in fp32 as FSDP2 keeps
     it) the result stays fp32; given a 16-bit one, it is rounded once into it when the
-    collective completes. All-gathers (of parameters) are untouched. shard() turns a 16-bit
-    group into one with `group.__class__ = ReducedInFp32`.
+    collective completes. All-gathers (of parameters) are untouched. shard() lays out its
+    groups as ReducedInFp32 when reduce_dtype=torch.float32 (make_flat_groups' group_type).
     """
+
+    @property
+    def reduces_wide(self) -> bool:  # a 16-bit group (an fp32 one is reduced in fp32 anyway)
+        return self.dtype != torch.float32
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        op=dist.ReduceOp.AVG, async_op: bool = False):
@@ -192,13 +196,6 @@ class ReducedInFp32(FlatParamGroup):
         wide = buffer.float()
         work = super().all_reduce(wide, op, async_op)
         return _rounded_into(work, wide, buffer)
-
-
-def reduces_wide(sync, g: int) -> bool:
-    """Is group g of a stage (`sync`) a 16-bit group whose gradient is reduced in fp32 and
-    kept so (reduce_dtype=torch.float32)?"""
-    group = sync.groups[g]
-    return isinstance(group, ReducedInFp32) and group.dtype != torch.float32
 
 
 def step_grad(sync, g: int) -> torch.Tensor | None:
@@ -228,8 +225,8 @@ def install_fresh_start(sync) -> None:
     their fp32 average to the fp32 one kept: accumulation in fp32, not in the 16-bit buffer."""
     sync.rounding_held = [False] * len(sync.groups)
     ref = weakref.ref(sync)
-    for g, group in enumerate(sync.groups):
-        if reduces_wide(sync, g):
+    for group in sync.groups:
+        if group.reduces_wide:
             for p in group.params:
                 sync._hook_handles.append(p.register_hook(partial(_fresh_start, ref)))
 
@@ -239,7 +236,7 @@ def _fresh_start(ref, _grad: torch.Tensor) -> None:
     if sync is None:
         return
     if not sync._callback_queued:  # this backward's first: what overlap_step left lands
-        sync.finish_reductions()
+        sync.land_reductions()
     if not any(sync.rounding_held):
         return
     for g, held in enumerate(sync.rounding_held):

@@ -2,61 +2,35 @@
 come back under the next forward, bucket by bucket (Megatron-LM's distributed optimizer does
 the same under this name).
 
-Without it, `opt.step()` all-gathers every rank's updated slice and waits: nothing else runs
-meanwhile. With it, `opt.step()` only *issues* one asynchronous all-gather per bucket, in the
-order the next forward needs them (buckets are built last layer first, so the last bucket
-goes first), and returns. A forward pre-hook on every module that owns parameters of a
-bucket waits for that bucket only, so the forward of the first layers runs while the later
-layers' parameters are still on the wire.
+Without it, `opt.step()` all-gathers every updated slice and waits. With it, `opt.step()`
+only *issues* one asynchronous all-gather per bucket, the last bucket (the first layers)
+first, and returns; a forward pre-hook on each module that owns parameters waits for their
+buckets only, so the first layers compute while the later layers' parameters are on the wire.
 
-The contract: nothing ever reads a stale parameter. Between `opt.step()` and the module's
-forward, a parameter's elements outside this rank's slice hold the values from before the
-step until its bucket's all-gather lands (it writes them in place). So while its bucket is
-in flight, a parameter's class is `ParameterInFlight` (a subclass of nn.Parameter, switched
-by `issue`), whose `__torch_function__`, which torch calls for every op that touches it,
-waits for its bucket first: a raw read (`print(model[0].weight)`, `w.sum()`, `w.clone()`,
-`torch.equal`, `w.detach()`, `w.data`, an EMA copy, a metric on the weights) reads the
-updated values, on any rank that reads (the messages were all posted by the step: the wait
-needs nothing from the other ranks). Only looks pass without waiting: `.shape`, `.grad`,
-`p.grad = None`, `numel()`, hook registration (at_rest.py's SHAPE_LOOKS). Once a bucket is
-waited for, by whatever, its parameters are plain nn.Parameters again: the forward pre-hook
-does it before the module computes, so the forward and backward pay nothing for the guard.
+The contract: nothing ever reads a stale parameter. Until its bucket's all-gather lands (in
+place), a parameter's elements outside this rank's slice hold the values from before the
+step. Meanwhile its flag says so, `p.zero_lab_state == "in flight"` (a GuardedParameter,
+at_rest.py), and an op on it waits for its bucket first: a raw read (`print(w)`, `w.sum()`,
+`w.clone()`, `torch.equal`, `w.detach()`, `w.data`, an EMA copy) reads the updated values,
+on any rank (the step posted every message: the wait needs nothing from the other ranks).
+Only looks pass without waiting (`.shape`, `.grad`, `p.grad = None`, `numel()`: at_rest.py's
+SHAPE_LOOKS). A bucket waited for, by whatever, is "whole" again: the forward pre-hook makes
+it so before the module computes, so forward and backward pay only the guard's look.
 
-Readers that touch every parameter wait for every bucket at once: `full_state_dict`,
-`model.state_dict()` (a state_dict pre-hook on every module), `model.load_state_dict()`,
-`zero_lab.checkpoint.save` / `load`, `opt.clip_grad_norm_`, the next `opt.step()` when no
-forward came; `model.wait_for_params()` does the same, explicitly. Torch's FSDP2 and
-Megatron-LM leave such a raw read stale (their contract: call their wait first). A
-parameter of a class of one's own (a subclass of nn.Parameter) is not switched: it reads
-stale unless `model.wait_for_params()` comes first. Bytes sent are unchanged: the same
-all-gathers, only later.
+Readers that touch every parameter wait for every bucket: `full_state_dict`,
+`model.state_dict()` and `load_state_dict()` (pre-hooks), `zero_lab.checkpoint.save` /
+`load`, `opt.clip_grad_norm_`, the next `opt.step()` when no forward came, and, explicitly,
+`model.wait_for_params()`. FSDP2 and Megatron-LM leave a raw read stale (call their wait
+first); so does a parameter of a class of one's own here (not guarded). Bytes sent are
+unchanged: the same all-gathers, only later.
 """
 
 from __future__ import annotations
 
 from torch import nn
-from torch._C import _disabled_torch_function_impl
 
-from zero_lab.stages.at_rest import SHAPE_LOOKS, VALUE_ATTRIBUTES, instances_in, is_look
+from zero_lab.stages.at_rest import BUCKET_ATTR, IN_FLIGHT, WHOLE, GuardedParameter
 from zero_lab.stages.partition import FlatParamGroup
-
-BUCKET_ATTR = "_zero_lab_in_flight"  # on a parameter of stages 1-2: (its ParamGather, bucket)
-# In flight, `.data` is a read too: it is the tensor the all-gather is still writing.
-VALUES = VALUE_ATTRIBUTES | {"data"}
-
-
-class ParameterInFlight(nn.Parameter):
-    """A parameter whose bucket's all-gather is in flight: any op but a look waits for it."""
-
-    @classmethod
-    def __torch_function__(cls, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if not is_look(func, SHAPE_LOOKS, VALUES):
-            for p in list(instances_in((args, kwargs), ParameterInFlight)):
-                gather, g = getattr(p, BUCKET_ATTR, (None, None))
-                if gather is not None:
-                    gather.wait(g)  # turns the bucket's parameters back into nn.Parameter
-        return _disabled_torch_function_impl(func, types, args, kwargs)
 
 
 class ParamGather:
@@ -69,6 +43,9 @@ class ParamGather:
         for g, group in enumerate(groups):
             for p in group.params:
                 setattr(p, BUCKET_ATTR, (self, g))
+        # each bucket's GuardedParameters (shard() made them; a class of one's own is not one)
+        self.guarded = [[p for p in group.params if type(p) is GuardedParameter]
+                        for group in groups]
 
     def issue(self, gs: list[int] | None = None) -> None:
         """Start the all-gathers of groups `gs` (all, by default), the last group first: it
@@ -78,17 +55,15 @@ class ParamGather:
             group = self.groups[g]
             self.pending[g] = group.all_gather(group.flat, group.shard(group.flat),
                                                async_op=True)
-            for p in group.params:
-                if type(p) is nn.Parameter:  # (a class of one's own is left as it is)
-                    p.__class__ = ParameterInFlight
+            for p in self.guarded[g]:
+                p.zero_lab_state = IN_FLIGHT
 
     def wait(self, g: int) -> None:
         """Bucket g's parameters are whole once this returns."""
         work, self.pending[g] = self.pending[g], None
         if work is not None:
-            for p in self.groups[g].params:  # before the wait: its own ops read plainly
-                if type(p) is ParameterInFlight:
-                    p.__class__ = nn.Parameter
+            for p in self.guarded[g]:  # before the wait: its own ops read plainly
+                p.zero_lab_state = WHOLE
             work.wait()
             self.gathers_waited += 1
 

@@ -13,66 +13,36 @@ exactly S elements whatever the parameter sizes, and a parameter may straddle tw
 
 One buffer layout serves every state of the group: the parameters, a full gradient buffer
 (`new_full()`), a gradient or fp32 master slice (`new_shard()`). The two collectives ZeRO
-needs work on whole buffers, one call per group (on gloo sent as a direct exchange of
-point-to-point messages, `zero_lab.collectives.exchange`, because torch's gloo reduce-scatter is a
-disguised all-reduce):
+needs work on whole buffers, one call per group (sent as collectives/transports.py chooses;
+one sent during backward waits in `InFlight`, below, until the stage lands it):
 
     reduce_scatter(shard_out, full_in)   full gradients -> the averaged slice this rank owns
     all_gather(full_out, shard_in)       every rank's slice -> the full buffer on every rank
 
-Stage 3 frees the full parameter buffer between uses. `free_storage` releases the memory of
-a buffer while keeping the tensor (and every view of it, i.e. the parameters) alive;
-`allocate_storage` gives the memory back, and the views see whatever is written next (an
-all-gather). Rebinding `.data` instead would not free what autograd still references.
+Stage 3 frees the full parameter buffer between uses: `free_storage` releases a buffer's
+memory, keeping the tensor and its views (the parameters); `allocate_storage` gives it back,
+the views see what is written next. Rebinding `.data` would not free what autograd holds.
 
-How the stages use it (`make_flat_groups` builds one group per bucket or unit):
-
-    stage 0  params full in group.flat; a full gradient buffer; all_reduce it
-    stage 1  params full; a full gradient buffer, reduce-scattered into its owned slice;
-             the optimizer updates group.shard(group.flat), then
-             group.all_gather(group.flat, group.shard(group.flat))  (in place)
-    stage 2  as stage 1, but a bucket's full gradient lives only until it is sent
-    stage 3  only the slice lives between uses:
-                 local = group.shard(group.flat).clone(); free_storage(group.flat)
-                 before the unit runs:  allocate_storage(group.flat)
-                                        group.all_gather(group.flat, local)
-                 after it:              free_storage(group.flat)
-                 its gradients:         group.reduce_scatter(grad_slice, full_grad)
-
-Hybrid sharding (HSDP, stages/hybrid.py) lays the world out in 2-D: R groups of S ranks. A
-flat group is then sharded over the S ranks of this rank's group (`process_group`, N = S in
-everything above) and replicated across the R groups (`replicate_group`: the ranks that hold
-the same slice in the other groups). All-gathers stay inside the group; every averaging
-collective runs level by level:
-
-    reduce_scatter   inside the group (the slice, averaged over S ranks), then an all-reduce
-                     of that slice across the groups (averaged over R): the 1/S piece is all
-                     that crosses
-    all_reduce       the same, then an all-gather inside the group: a hierarchical all-reduce
+Hybrid sharding (hybrid.py): a group sharded over the S ranks of `process_group` and
+replicated across `replicate_group`; its averages run inside the group, then across.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import copy
+from collections import deque
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.collectives import exchange
+from zero_lab.collectives import transports
 from zero_lab.collectives.chain import Chain, one_after_another
 from zero_lab.collectives.exchange import Exchange
 from zero_lab.profiling import marks
-
-# How a group sends its collectives: "auto" (a direct exchange of point-to-point messages on
-# gloo, torch's collectives elsewhere: see collectives/exchange.py), "torch" or "direct".
-# `shard(..., transport=...)` passes it down; tests and `make bench` compare the two.
-# "none" sends nothing (each collective does only its local copies; training results are
-# meaningless): notebook 06 times a stage with and without it to measure what its
-# communication costs.
-TRANSPORTS = ("auto", "torch", "direct", "none")
 
 
 @dataclass(frozen=True)
@@ -104,6 +74,9 @@ class FlatParamGroup:
         group.shard(group.flat)          # this rank's S elements (a view)
         group.views(grad_buffer)         # parameter-shaped views into any flat buffer
     """
+
+    # Reduced in fp32 and kept so (reduce_dtype=torch.float32: mixed_precision.ReducedInFp32)?
+    reduces_wide = False
 
     def __init__(
         self,
@@ -144,9 +117,11 @@ class FlatParamGroup:
         self.padding = self.padded_numel - self.numel
         self.shard_start, self.shard_end = self.shard_range(rank)
         self.flat: torch.Tensor | None = None  # the buffer the parameters view, once bound
-        if transport not in TRANSPORTS:
-            raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
-        self.transport = transport  # how this group's collectives are sent (see `direct`)
+        if transport not in transports.TRANSPORTS:  # (collectives/transports.py)
+            raise ValueError(f"transport must be one of {tuple(transports.TRANSPORTS)}, got "
+                             f"{transport!r}")
+        self.transport = transport  # how this group's collectives are sent (`sends`)
+        self._sends: transports.Transport | None = None  # resolved at the first collective
         self.label = "group"  # how its collectives are named in a profiler trace ("bucket 2")
 
     # ------------------------------------------------------------------ layout
@@ -210,19 +185,30 @@ class FlatParamGroup:
         self.flat = flat
         self.dtype = flat.dtype  # new buffers (gradients, slices) follow the parameters
 
-    # ------------------------------------------------------------------ collectives
-    @cached_property
-    def direct(self) -> bool:
-        """Does this group send its collectives as a direct exchange (collectives/exchange.py)?
+    def sharded_over(self, process_group: dist.ProcessGroup, world_size: int, rank: int
+                     ) -> FlatParamGroup:
+        """This layout's padded buffer cut into `world_size` chunks over `process_group`
+        instead of N (stage 3's reshard_after_forward=d): a new group, this one unchanged."""
+        over = copy.copy(self)
+        over.process_group, over.replicate_group = process_group, None
+        over.world_size, over.rank = world_size, rank
+        over.shard_numel = self.padded_numel // world_size
+        over.shard_start, over.shard_end = over.shard_range(rank)
+        over._sends, over.label = None, f"{self.label} after forward"  # resolved anew
+        return over
 
-        With `transport="auto"`: on gloo (CPU) yes, because torch's gloo reduce-scatter is a
-        disguised all-reduce (see that module); elsewhere torch's own collectives. Decided at
-        the first collective (a group can be laid out before the process group exists).
-        """
-        if self.transport == "auto":
-            backend = str(dist.get_backend(self.process_group))
-            return "gloo" in backend and self.device.type == "cpu"
-        return self.transport == "direct"
+    # ------------------------------------------------------------------ collectives
+    @property
+    def sends(self) -> transports.Transport:
+        """The collectives this group sends with (collectives/transports.py). Resolved at the
+        first collective: a group can be laid out before its process group exists."""
+        if self._sends is None:
+            name = self.transport
+            if name == "auto":  # the direct exchange on gloo with CPU tensors, else torch's
+                gloo = "gloo" in str(dist.get_backend(self.process_group))
+                name = "direct" if gloo and self.device.type == "cpu" else "torch"
+            self._sends = transports.TRANSPORTS[name]
+        return self._sends
 
     def all_gather(self, full_out: torch.Tensor, shard_in: torch.Tensor,
                    async_op: bool = False) -> dist.Work | Exchange | None:
@@ -230,20 +216,8 @@ class FlatParamGroup:
 
         `shard_in` may be this rank's own slice of `full_out` (in place).
         """
-        def issue():
-            if self.transport == "none":
-                return exchange.all_gather_skipped(full_out, shard_in, self.process_group,
-                                                   async_op)
-            if self.direct:
-                return exchange.all_gather(full_out, shard_in, group=self.process_group,
-                                           async_op=async_op)
-            shard = shard_in
-            if shard.data_ptr() == self.shard(full_out).data_ptr():
-                shard = shard.clone()  # torch's all-gather wants an input apart from the output
-            return dist.all_gather_single(full_out, shard, group=self.process_group,
-                                          async_op=async_op)
-
-        return marks.collective(f"all-gather / {self.label}", issue, async_op)
+        return marks.collective(f"all-gather / {self.label}", lambda: self.sends.all_gather(
+            full_out, shard_in, group=self.process_group, async_op=async_op), async_op)
 
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        op: dist.ReduceOp.RedOpType = dist.ReduceOp.AVG,
@@ -251,14 +225,8 @@ class FlatParamGroup:
         """Full buffers on every rank -> this rank's slice of their reduction (average by
         default): one reduce-scatter. `shard_out` must not be a view of `full_in`."""
         def issue():
-            if self.transport == "none":
-                return exchange.reduce_scatter_skipped(shard_out, full_in, op,
-                                                       self.process_group, async_op)
-            if self.direct:
-                return exchange.reduce_scatter(shard_out, full_in, op=op,
-                                               group=self.process_group, async_op=async_op)
-            return dist.reduce_scatter_single(shard_out, full_in, op=op,
-                                              group=self.process_group, async_op=async_op)
+            return self.sends.reduce_scatter(shard_out, full_in, op=op,
+                                             group=self.process_group, async_op=async_op)
 
         if self.replicate_group is None:
             return marks.collective(f"reduce-scatter / {self.label}", issue, async_op)
@@ -276,23 +244,15 @@ class FlatParamGroup:
             return one_after_another(async_op,
                                      lambda: self.reduce_scatter(piece, buffer, op, True),
                                      lambda: self.all_gather(buffer, piece, True))
-
-        def issue():
-            if self.transport == "none":  # the buffer keeps this rank's values
-                return Exchange([]) if async_op else None
-            return dist.all_reduce(buffer, op=op, group=self.process_group, async_op=async_op)
-
-        return marks.collective(f"all-reduce / {self.label}", issue, async_op)
+        return marks.collective(f"all-reduce / {self.label}", lambda: self.sends.all_reduce(
+            buffer, op=op, group=self.process_group, async_op=async_op), async_op)
 
     def _across(self, piece: torch.Tensor, op: dist.ReduceOp.RedOpType):
         """Hybrid sharding's second level: this rank's slice reduced with the same slice of
         the other groups (an all-reduce over `replicate_group`), asynchronously."""
-        def issue():
-            if self.transport == "none":
-                return Exchange([])
-            return dist.all_reduce(piece, op=op, group=self.replicate_group, async_op=True)
-
-        return marks.collective(f"all-reduce across groups / {self.label}", issue, True)
+        return marks.collective(f"all-reduce across groups / {self.label}", lambda: self.sends
+                                .all_reduce(piece, op=op, group=self.replicate_group,
+                                            async_op=True), True)
 
     def __repr__(self) -> str:
         return (f"FlatParamGroup({len(self.params)} params, numel={self.numel}, "
@@ -300,8 +260,61 @@ class FlatParamGroup:
                 f"rank {self.rank} owns [{self.shard_start}, {self.shard_end}))")
 
 
-# ---------------------------------------------------------------------- storage
+# ---------------------------------------------------------------------- in flight
 
+class Sent(NamedTuple):  # bucket g's collective: `full` is read until done, `owned` written
+    g: int
+    work: dist.Work
+    full: torch.Tensor
+    owned: torch.Tensor
+
+
+class InFlight:
+    """Buckets sent, oldest first, kept with the tensors their collective reads and writes;
+    `land(g, full, owned)` puts each result where the stage keeps gradients, in order: a few
+    at most while backward runs (stage 2 bounds its memory so), all when it ends, or, with
+    overlap_step, each just before the optimizer updates its bucket (`land_through`)."""
+
+    def __init__(self, land: Callable[[int, torch.Tensor, torch.Tensor], None]) -> None:
+        self._land = land
+        self._sent: deque[Sent] = deque()
+
+    def __len__(self) -> int:
+        return len(self._sent)
+
+    def __contains__(self, g: int) -> bool:
+        return any(s.g == g for s in self._sent)
+
+    def groups(self) -> list[int]:
+        """The groups still in flight, in the order they were sent."""
+        return [s.g for s in self._sent]
+
+    def send(self, g: int, work: dist.Work, full: torch.Tensor, owned: torch.Tensor,
+             keep: int | None = None) -> None:
+        """Queue bucket g's collective; then land the oldest beyond `keep` (None: no limit)."""
+        self._sent.append(Sent(g, work, full, owned))
+        self.land(keep)
+
+    def land(self, keep: int | None = 0) -> None:
+        """Finish sent buckets, oldest first: all beyond `keep`, and any already complete."""
+        while self._sent and ((keep is not None and len(self._sent) > keep)
+                              or self._sent[0].work.is_completed()):
+            self._land_oldest()
+
+    def land_through(self, g: int) -> None:
+        """Finish every bucket sent up to and including group g (nothing if g is not sent)."""
+        if g in self:
+            while self._land_oldest() != g:
+                pass
+
+    def _land_oldest(self) -> int:
+        done = self._sent.popleft()
+        done.work.wait()
+        self._land(done.g, done.full, done.owned)
+        return done.g  # `done.full` goes out of scope here: a buffer of its own is freed
+
+
+# ---------------------------------------------------------------------- storage
 
 def free_storage(t: torch.Tensor) -> None:
     """Release the memory behind `t`; `t` and its views stay valid objects (size unchanged)."""
@@ -309,10 +322,8 @@ def free_storage(t: torch.Tensor) -> None:
 
 
 def allocate_storage(t: torch.Tensor) -> None:
-    """Give `t` (a whole buffer, not a view) its memory back after `free_storage`.
-
-    The contents are undefined until written (e.g. by an all-gather).
-    """
+    """Give `t` (a whole buffer, not a view) its memory back after `free_storage`; its
+    contents are undefined until written (e.g. by an all-gather)."""
     if t.storage_offset() != 0:
         raise ValueError("allocate_storage expects the whole buffer, not a view into it")
     nbytes = t.numel() * t.element_size()
@@ -320,12 +331,11 @@ def allocate_storage(t: torch.Tensor) -> None:
         t.untyped_storage().resize_(nbytes)
 
 
-def storage_is_allocated(t: torch.Tensor) -> bool:
+def storage_is_allocated(t: torch.Tensor) -> bool:  # (after free_storage: False)
     return t.untyped_storage().nbytes() > 0
 
 
 # ---------------------------------------------------------------------- grouping
-
 
 def bucket_parameters(
     named_params: Sequence[tuple[str, nn.Parameter]], bucket_bytes: float, element_size: int,
@@ -336,10 +346,9 @@ def bucket_parameters(
     A parameter larger than a bucket gets a bucket of its own. Pass the parameters in
     reverse registration order so buckets fill in roughly the order backward produces
     gradients (the last layer's first), as torch's DDP does. `first_bucket_bytes` sizes the
-    first bucket separately, by DDP's rule (1 MiB there): it takes parameters until it holds
-    at least that much (never more than `bucket_bytes`), so it is ready early in backward (the
-    last layer's bias *and* weight, not the bias alone) and its collective runs while most
-    of backward is still to come.
+    first bucket by DDP's rule (1 MiB there): it takes parameters until it holds that much
+    (never more than `bucket_bytes`), so it is ready early in backward (the last layer's
+    bias *and* weight) and its collective runs while most of backward is still to come.
     """
     if bucket_bytes <= 0:
         raise ValueError(f"bucket size must be positive, got {bucket_bytes} bytes")
@@ -364,12 +373,14 @@ def make_flat_groups(
     *, element_size: int | None = None, first_bucket_bytes: float | None = None,
     src: int | None = 0, process_group: dist.ProcessGroup | None = None,
     transport: str = "auto", replicate_group: dist.ProcessGroup | None = None,
+    group_type: type[FlatParamGroup] = FlatParamGroup,
 ) -> list[FlatParamGroup]:
     """Bucket `named_params` (reverse registration order: see `bucket_parameters`) into flat
     groups whose buffers the parameters then view; with `src`, every rank starts from rank
     `src`'s values (one broadcast per group). Inside a bucket, parameters keep forward
     order, so a layout reads like the model. Buckets are sized at `element_size` bytes per
-    element (the parameters' own by default; 2 when they will be cast to bf16)."""
+    element (the parameters' own by default; 2 when they will be cast to bf16); `group_type`
+    may be a subclass that sends its reductions otherwise (ReducedInFp32)."""
     world = dist.get_world_size(process_group)
     rank = dist.get_rank(process_group)
     element_size = element_size or named_params[0][1].element_size()
@@ -377,8 +388,8 @@ def make_flat_groups(
     for bucket in bucket_parameters(named_params, bucket_bytes, element_size,
                                     first_bucket_bytes=first_bucket_bytes):
         bucket = bucket[::-1]
-        group = FlatParamGroup([p for _, p in bucket], world, rank, [n for n, _ in bucket],
-                               process_group, transport, replicate_group)
+        group = group_type([p for _, p in bucket], world, rank, [n for n, _ in bucket],
+                           process_group, transport, replicate_group)
         flat = group.flatten()
         if src is not None:
             dist.broadcast(flat, src=src,

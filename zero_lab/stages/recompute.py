@@ -11,11 +11,12 @@ layer, zero_lab.memory.activation_bytes_per_layer) to its input (2·s·b·h), fo
 forward of it: training FLOPs go from 6Ψ to 8Ψ per token (forward 2Ψ, backward 4Ψ, the
 recompute 2Ψ again).
 
-How. The chosen module's `forward` is replaced, on the instance, by one that calls the
-original through `torch.utils.checkpoint.checkpoint(..., use_reentrant=False)`, torch's
-`checkpoint_wrapper` idea without the wrapper module (so parameter names, tied weights and
-hooks stay as they are). The module's hooks run in `__call__`, outside the checkpoint: at
-stage 3 the unit's gather and release (zero3.py) are not part of what is recomputed.
+How. torch's composable `checkpoint(module)` (torch.distributed._composable), FSDP2's
+companion: a forward pre-hook opens a non-reentrant checkpoint region and a forward hook
+closes it, so the module, its `forward`, its parameter names and tied weights stay as they
+are (no wrapper module). At stage 3 the unit's gather and release (zero3.py) are hooks
+registered before these, so they run outside the region and are not part of what is
+recomputed; the recompute calls the module again, and its hooks see they are in backward.
 
 Stage 3, and why the recompute costs no all-gather. A unit is released after its forward
 and gathered again when backward reaches its outputs (the pre-backward hook): that second
@@ -29,42 +30,19 @@ With reshard_after_forward=False (units kept gathered from forward to backward),
 is gathered in backward at all, recompute or not: 2Ψ, with the parameters resident.
 
 What is *not* recomputed: the root (the whole model), and a module inside another chosen
-one (its parent's recompute runs it anyway).
-
-Reentrant checkpointing (`use_reentrant=True`) is refused by design: its inner backward
-would end the stages' backward early (gradient_sync.py).
+one (its parent's recompute runs it anyway). (Reentrant checkpointing is refused by
+design: gradient_sync.py.)
 """
 
 from __future__ import annotations
 
-import functools
 from collections.abc import Sequence
 
-import torch
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from zero_lab.stages.units import unit_modules
 
 RECOMPUTED_ATTR = "_zero_lab_recomputed"  # set on a module whose forward is recomputed
-
-
-def check_checkpoint_activations(value) -> None:
-    """False, True, or a non-empty tuple/list of nn.Module subclasses."""
-    if isinstance(value, bool):
-        return
-    if (isinstance(value, (tuple, list)) and value
-            and all(isinstance(c, type) and issubclass(c, nn.Module) for c in value)):
-        return
-    raise TypeError("checkpoint_activations must be True, False or a tuple of nn.Module "
-                    f"classes (e.g. (Block,)), got {value!r}")
-
-
-def describe(value) -> str | list[str]:
-    """How the ranks compare the setting (ranks_agree.py): classes by name."""
-    if isinstance(value, bool):
-        return str(value)
-    return [getattr(c, "__qualname__", repr(c)) for c in value]
 
 
 def modules_to_recompute(model: nn.Module, value, unit_classes: Sequence[type] | None = None
@@ -86,7 +64,7 @@ def modules_to_recompute(model: nn.Module, value, unit_classes: Sequence[type] |
             seen.add(id(module))
             outermost.append((name, module))
     if not outermost:
-        raise ValueError(f"checkpoint_activations={describe(value)!r} chose no module of this "
+        raise ValueError(f"checkpoint_activations={value!r} chose no module of this "
                          "model to recompute (the root is never recomputed)")
     return outermost
 
@@ -95,15 +73,11 @@ def recompute(module: nn.Module) -> None:
     """From now on `module`'s forward saves only its inputs and is recomputed in backward."""
     if getattr(module, RECOMPUTED_ATTR, False):
         return
-    forward = module.forward
+    # (imported here: torch.distributed._composable loads DDP's replicate too, start-up time
+    # that only a recomputing run pays)
+    from torch.distributed._composable import checkpoint
 
-    @functools.wraps(forward)
-    def recomputed_forward(*args, **kwargs):
-        if not torch.is_grad_enabled():  # nothing is saved without autograd: nothing to save
-            return forward(*args, **kwargs)
-        return checkpoint(forward, *args, use_reentrant=False, **kwargs)
-
-    module.forward = recomputed_forward
+    checkpoint(module)  # its hooks open and close the region; nothing of the module changes
     setattr(module, RECOMPUTED_ATTR, True)
 
 

@@ -2,6 +2,15 @@
 out of range, and models that would otherwise train silently wrong (batch statistics, sparse
 or renormalising embeddings, meta or non-fp32 parameters, parameters sharing memory, a
 model holding one that shard() already returned or that torch's DDP or FSDP wrapped).
+`check_settings` makes every check of shard()'s options, in one place.
+
+Ranks that were given different things to shard refuse together, before any collective.
+Ranks that disagree would still pair their collectives by size and order, and two models
+with the same number of elements but other shapes, or two stages, would train wrong in
+silence. So every rank describes what it was given (a dict of plain values: settings,
+parameter names, shapes and dtypes, the optimizer's groups) and one all-gather compares the
+descriptions: if they differ, every rank raises the same error, naming the first difference
+(`check_ranks_agree`).
 """
 
 from __future__ import annotations
@@ -15,11 +24,14 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
+from zero_lab.collectives.transports import TRANSPORTS
 from zero_lab.memory import PRECISIONS
-from zero_lab.stages.partition import TRANSPORTS
-from zero_lab.stages.zero1 import VARIANTS as ZERO1_VARIANTS
+from zero_lab.stages.accumulation import check_accumulation_arguments, check_reshard_size
+from zero_lab.stages.hybrid import mesh_shape
+from zero_lab.stages.mixed_precision import check_policy
 
 STAGES = (0, 1, 2, 3)
+ZERO1_VARIANTS = ("reduce_scatter", "all_reduce")  # stage 1 sends 2Ψ, or the seed notes' 3Ψ
 ROOT_PARAMS = ("shard", "replicate")  # stage 3: what becomes of parameters no unit claims
 SHARDED_ATTR = "_zero_lab_sharded"  # set on a sharded model: the object behind full_state_dict
 
@@ -57,7 +69,7 @@ def check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_vari
     if root_params != "shard" and stage != 3:
         raise ValueError(f"root_params applies to stage 3 only, not stage {stage}")
     if transport not in TRANSPORTS:
-        raise ValueError(f"transport must be one of {TRANSPORTS}, got {transport!r}")
+        raise ValueError(f"transport must be one of {tuple(TRANSPORTS)}, got {transport!r}")
     if not (dist.is_available() and dist.is_initialized()):
         raise RuntimeError("shard() needs torch.distributed initialised on every rank; run it "
                            "inside a torchrun worker after zero_lab.launch.init_worker()")
@@ -65,7 +77,7 @@ def check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_vari
 
 def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduce,
                   overlap_step) -> tuple[bool, bool]:
-    """shard()'s options that hide communication (param_gather.py, reductions_in_flight.py):
+    """shard()'s options that hide communication (param_gather.py, partition.py's InFlight):
     where each applies. Stage 0 has no all-gather and stages 0, 2 and 3 always reduce during
     backward; stage 3 gathers before each unit's forward (its prefetch) and steps at rest. Returns
     (overlap_param_gather, overlap_grad_reduce) resolved, None meaning the stage's way:
@@ -146,6 +158,93 @@ def refuse_torch_wrapper(name: str, module: nn.Module) -> None:
             "FSDP's): build the model again without fully_shard and pass it to shard()")
 
 
+def check_settings(model: nn.Module, options: dict) -> tuple[bool, bool]:
+    """Every refusal of shard()'s options (`options`: them by name, as given), before anything
+    changes; returns (overlap_param_gather, overlap_grad_reduce) resolved."""
+    o, stage = options, options["stage"]
+    check_arguments(stage, o["bucket_mb"], o["prefetch"], o["precision"], o["transport"],
+                    o["zero1_variant"], o["unit_classes"], o["find_unused_parameters"],
+                    o["check_order"], o["root_params"])
+    check_accumulation_arguments(stage, o["grad_accumulation"], o["reshard_after_forward"])
+    check_reshard_size(o["reshard_after_forward"], dist.get_world_size(), o["mesh"])
+    overlap = check_overlap(stage, o["zero1_variant"], o["overlap_param_gather"],
+                            o["overlap_grad_reduce"], o["overlap_step"])
+    for name in ("broadcast_buffers", "check_lockstep"):
+        if not isinstance(o[name], bool):
+            raise TypeError(f"{name} must be True or False, got {o[name]!r}")
+    check_checkpoint_activations(o["checkpoint_activations"])
+    check_policy(o["precision"], o["keep_fp32"], o["reduce_dtype"])
+    if o["mesh"] is not None and o["find_unused_parameters"]:
+        raise ValueError("find_unused_parameters=True is not supported with a mesh yet: the "
+                         "ranks would agree on which parameters have gradients inside their "
+                         "group only")
+    check_model(model)
+    if o["mesh"] is not None:
+        mesh_shape(o["mesh"])  # checked before any process group is made
+    return overlap
+
+
+def check_checkpoint_activations(value) -> None:
+    """False, True, or a non-empty tuple/list of nn.Module subclasses."""
+    if isinstance(value, bool):
+        return
+    if (isinstance(value, (tuple, list)) and value
+            and all(isinstance(c, type) and issubclass(c, nn.Module) for c in value)):
+        return
+    raise TypeError("checkpoint_activations must be True, False or a tuple of nn.Module "
+                    f"classes (e.g. (Block,)), got {value!r}")
+
+
+def check_shard_call_agrees(model: nn.Module, plan: torch.optim.Optimizer,
+                            options: dict) -> None:
+    """shard(): every rank describes what it was given (its options, every parameter's and
+    buffer's name, shape and dtype, the optimizer's groups); they refuse together if any
+    rank's differs."""
+    check_ranks_agree("shard()", {
+        **{name: comparable(value) for name, value in options.items()},
+        "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
+                       for n, p in model.named_parameters()],
+        "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
+        "optimizer": [type(plan).__name__] + [len(g["params"]) for g in plan.param_groups]})
+
+
+def comparable(value):
+    """A setting as the ranks compare it: classes by name, sequences as lists, a mesh by its
+    shape, anything else not plain (a dtype) as text."""
+    if isinstance(value, type):
+        return getattr(value, "__qualname__", repr(value))
+    if isinstance(value, (list, tuple)):
+        return [comparable(v) for v in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    if hasattr(value, "get_group") and hasattr(value, "ndim"):  # a torch DeviceMesh
+        return list(mesh_shape(value))
+    return str(value)
+
+
+def check_ranks_agree(call: str, mine: dict) -> None:
+    """Raise ValueError on every rank if any rank's description differs from rank 0's."""
+    everyone: list = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, mine)
+    first = everyone[0]
+    for rank, theirs in enumerate(everyone):
+        for key in mine:
+            ours, other = first[key], theirs[key]
+            if ours == other:
+                continue
+            if isinstance(ours, list) and isinstance(other, list):  # the first entry apart
+                pairs = zip(ours, other, strict=False)  # lengths may differ too
+                i = next((i for i, (a, b) in enumerate(pairs) if a != b),
+                         min(len(ours), len(other)))
+                ours = ours[i] if i < len(ours) else "nothing more"
+                other = other[i] if i < len(other) else "nothing more"
+                key = f"{key}[{i}]"
+            raise ValueError(
+                f"the ranks called {call} differently: rank {rank} has {key} = {other!r} "
+                f"where rank 0 has {ours!r}. Every rank must shard the same model (same "
+                "parameter names and shapes) with the same settings")
+
+
 def check_model(model: nn.Module) -> None:
     """Refuse, with the reason, every case that would otherwise train silently wrong."""
     if not isinstance(model, nn.Module):
@@ -201,3 +300,21 @@ def check_model(model: nn.Module) -> None:
             raise ValueError(
                 f"parameters {name} and {next_name} are different Parameter objects sharing "
                 "memory; tie weights by assigning the same nn.Parameter to both modules")
+
+
+def refuse_compile() -> None:
+    """Stage 3 under torch.compile: refused (called from its forward hook while tracing)."""
+    # Run outside the traced graph, so the error reaches the caller. Disabled here, not with
+    # a decorator: the decorator imports torch._dynamo, 1.5 s of every rank's start-up, and
+    # this runs only while torch.compile traces (dynamo is loaded by then).
+    torch.compiler.disable(_compile_refused)()
+
+
+def _compile_refused() -> None:
+    raise RuntimeError(
+        "torch.compile of a model sharded at stage 3 is not supported: stage 3 gathers and "
+        "frees each unit's parameters in module hooks (all-gathers into a buffer whose memory "
+        "is freed and given back, parameters re-pointed with .data), which a compiled graph "
+        "cannot follow (autograd would find the weights it saved modified in place). Train "
+        "the stage-3 model uncompiled, or compile at stages 0-2, which compile and match one "
+        "process")

@@ -258,7 +258,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
     def wait_for_grads(self) -> None:
         """With overlap_step, backward returns with its last reduce-scatters in flight (the
         step waits for each bucket's): call this before reading a `.grad` yourself."""
-        self.sync.finish_reductions()
+        self.sync.land_reductions()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         with mark(ZERO_GRAD):

@@ -56,7 +56,7 @@ def route_loading(model: nn.Module, sync: GradientSync,
     model.register_load_state_dict_pre_hook(partial(_load_into_every_copy, sync, masters,
                                                     names))
     if sync.stage == 3:
-        # Frozen parameters stage 3 shards (units.FrozenPart): W's value, this rank's piece.
+        # Frozen parameters stage 3 shards (zero3.FrozenPart): W's value, this rank's piece.
         frozen = {id(p): (unit.frozen.group, i) for unit in sync.units if unit.frozen
                   for i, p in enumerate(unit.frozen.group.params)}
         model.register_load_state_dict_pre_hook(partial(

@@ -1,20 +1,17 @@
-"""Stage 3's units: how a model is cut into them, and what one unit holds.
+"""Stage 3's units: how a model is cut into them, each laid out and sharded (at shard()).
 
 A *unit* is a module whose trainable parameters stage 3 gathers and releases together, as
 FSDP wraps modules. `plan_units` decides which parameters each unit holds (a tied or shared
-weight goes to the unit that encloses all its users); `Unit` keeps one unit's flat layout,
-this rank's slice of it, and the full buffer that exists only while the unit computes, with
-the three moves of its lifecycle (`ShardedPart`, which its frozen parameters share): start
-the all-gather, finish it, release; `make_units` does
-all of it for a model (cut, broadcast rank 0's values, keep this rank's slice). zero3.py drives
-them from module and autograd hooks. Between its calls a unit's parameters rest as their
-1-D pieces, guarded against reads that would take a piece for the parameter (at_rest.py).
-A unit's frozen parameters are a `FrozenPart`, gathered with it, never reduced or stepped.
+weight goes to the unit that encloses all its users); `make_units` makes each a `Unit`
+(zero3.py, where its lifecycle is: start the all-gather, finish it, release), broadcasts
+rank 0's values and keeps this rank's slice. Between its calls a unit's parameters rest as
+their 1-D pieces, guarded against reads that would take a piece for the parameter
+(at_rest.py). A unit's frozen parameters are a `FrozenPart`, gathered with it, never reduced
+or stepped.
 """
 
 from __future__ import annotations
 
-import copy
 from collections.abc import Sequence
 
 import torch
@@ -22,10 +19,10 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.collectives.ledger import name_level
-from zero_lab.stages.at_rest import label, rest, wake
 from zero_lab.stages.hybrid import HybridMesh
 from zero_lab.stages.mixed_precision import kept_parameter_ids
-from zero_lab.stages.partition import FlatParamGroup, allocate_storage, free_storage
+from zero_lab.stages.partition import FlatParamGroup
+from zero_lab.stages.zero3 import FrozenPart, Unit
 
 # Modules that only hold other modules: their children are the units, not they.
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -142,160 +139,10 @@ def _common_prefix(chains: list[tuple[int, ...]]) -> tuple[int, ...]:
     return tuple(common)
 
 
-class ShardedPart:
-    """A flat group of parameters sharded over the ranks, with the three moves of its
-    lifecycle: start the all-gather, finish it, release.
-
-    `local` (S elements) holds this rank's part of the parameters, in memory of its own.
-    `full` (N·S elements) is allocated, all-gathered into, and freed in place again;
-    `full_views` are the parameter-shaped views of it the module computes with, and
-    `local_views` each parameter's piece of `local` (1-D, possibly empty): the parameters
-    at rest. A unit's trainable parameters are one (`Unit`), its frozen ones another
-    (`FrozenPart`).
-    """
-
-    def __init__(self, unit_name: str, group: FlatParamGroup, local: torch.Tensor,
-                 replicated: bool = False) -> None:
-        self.group = group
-        self.params = group.params
-        self.local = local
-        # A replicated unit (shard(..., root_params="replicate")) keeps the whole flat
-        # buffer on every rank: `local` is it, nothing is gathered or freed, and each
-        # parameter keeps its full shape.
-        self.replicated = replicated
-        if replicated:
-            self.full = local
-            self.full_views = group.views(local)
-        else:
-            self.full = group.new_full(local.dtype)
-            self.full_views = group.views(self.full)  # made while the storage exists
-            free_storage(self.full)  # nothing gathered yet
-        # Where each parameter's local piece sits in `local`: [start, end).
-        spans = [(0, 0)] * len(self.params)
-        for piece in group.shard_pieces():
-            spans[piece.index] = (piece.shard_start, piece.shard_start + piece.numel)
-        self.spans = spans
-        self.local_views = self.pieces(local)
-        self.work: dist.Work | None = None  # an all-gather in flight (prefetch)
-        # reshard_after_forward=d (attach_post_forward_groups): the layout over d ranks, and
-        # from forward to backward this rank's 1/d of `full`, which backward gathers from.
-        self.post_group: FlatParamGroup | None = None
-        self.post: torch.Tensor | None = None
-        for p, piece, name, shape in zip(self.params, self.local_views, group.names,
-                                         group.shapes, strict=True):
-            p.data = piece
-            label(p, name, unit_name, shape, local)
-            if not replicated:  # a replicated unit's parameters are whole: never a piece
-                rest(p)
-
-    def pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's 1-D piece of a slice-sized tensor (the parameters, a gradient);
-        for a replicated unit, each parameter's full-shaped view of the whole buffer."""
-        if self.replicated:
-            return self.group.views(shard)
-        return [shard[start:end] for start, end in self.spans]
-
-    def start_gather(self) -> None:
-        """Give `full` its memory back and start the all-gather into it (asynchronously)."""
-        if self.replicated:
-            return
-        allocate_storage(self.full)
-        over, source = (self.group, self.local) if self.post is None else (self.post_group,
-                                                                           self.post)
-        self.work = over.all_gather(self.full, source, async_op=True)  # (post: over d ranks)
-
-    def finish_gather(self) -> None:
-        """Wait for the all-gather; the parameters become views of the full buffer."""
-        if self.work is not None:  # a replicated unit has none to wait for
-            self.work.wait()
-        self.work = None
-        self.post = None  # used (or never made)
-        for p, view in zip(self.params, self.full_views, strict=True):
-            wake(p)  # first: re-pointing a guarded parameter would pay the guard's call
-            p.data = view
-
-    def keep_post(self) -> None:
-        """reshard_after_forward=d: keep this rank's 1/d of `full` for backward's gather."""
-        self.post = self.post_group.shard(self.full).clone()
-
-    def release(self) -> None:
-        """The parameters become local pieces again and the full buffer's memory is freed.
-
-        Free the storage, in place: views of `full` that autograd saved keep the same
-        storage object, which the next all-gather refills.
-        """
-        if self.work is not None:  # a prefetched all-gather nobody used
-            self.work.wait()
-            self.work = None
-        if self.replicated:
-            return
-        for p, piece in zip(self.params, self.local_views, strict=True):
-            p.data = piece
-            rest(p)
-        free_storage(self.full)
-
-
-class FrozenPart(ShardedPart):
-    """A unit's frozen parameters, sharded as its trainable ones (FSDP2 shards them too) and
-    gathered and released with them; no gradient, reduce-scatter or optimizer state."""
-
-
-class Unit(ShardedPart):
-    """One unit: a module, its trainable parameters sharded (ShardedPart), and its frozen
-    ones (`frozen`), which every move of the lifecycle takes along."""
-
-    def __init__(self, name: str, module: nn.Module, group: FlatParamGroup,
-                 local: torch.Tensor, replicated: bool = False) -> None:
-        super().__init__(name, group, local, replicated)
-        self.name = name
-        self.module = module
-        self.gathered = False
-        self.frozen: FrozenPart | None = None  # its frozen parameters (make_units)
-
-    def start_gather(self) -> None:
-        super().start_gather()
-        if self.frozen is not None:
-            self.frozen.start_gather()
-
-    def finish_gather(self) -> None:
-        super().finish_gather()
-        if self.frozen is not None:
-            self.frozen.finish_gather()
-        self.gathered = True
-
-    def reshard_after_forward(self) -> None:
-        """reshard_after_forward=d: keep this rank's 1/d of the gathered buffers, release."""
-        self.keep_post()
-        if self.frozen is not None:
-            self.frozen.keep_post()
-        self.release()
-
-    def drop_post(self) -> None:
-        """A forward whose backward never came (or the step): its 1/d copy is stale."""
-        self.post = None
-        if self.frozen is not None:
-            self.frozen.post = None
-
-    def release(self) -> None:
-        super().release()
-        self.gathered = False
-        if self.frozen is not None:
-            self.frozen.release()
-
-    @property
-    def busy(self) -> bool:
-        """Gathered, or being gathered."""
-        return self.gathered or self.work is not None
-
-    def __repr__(self) -> str:
-        g = self.group
-        return (f"Unit({self.name}: {len(self.params)} params, numel={g.numel}, "
-                f"padded={g.padded_numel}, slice={g.shard_numel})")
-
-
 def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport: str,
                compute_dtype: torch.dtype | None = None, replicate_root: bool = False,
                keep_fp32: Sequence[type] = (), mesh: HybridMesh | None = None,
+               group_type: type[FlatParamGroup] = FlatParamGroup,
                ) -> tuple[list[Unit], list[torch.Tensor]]:
     """Cut `model` into units (units.py) and shard each: returns (units, fp32 slices).
 
@@ -307,7 +154,8 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
     of the classes in `keep_fp32` are units of their own that stay fp32 (their slice is its
     own master), as FSDP2's fully_shard call with an fp32 policy on a norm. With a
     `mesh` (hybrid.py), each unit is sharded over this rank's shard group and replicated
-    across its replicate group.
+    across its replicate group. `group_type`: the units' groups' class (ReducedInFp32 sends
+    their gradients' reductions in fp32; their frozen parts' groups are FlatParamGroups).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     groups = {}
@@ -324,7 +172,7 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
                                                 frozen=True):
         params = [p for _, p in named]
         names = [n for n, _ in named]
-        group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
+        group = group_type(params, world, rank, names, transport=transport, **groups)
         flat = group.flatten()
         dist.broadcast(flat, src=0)  # every rank starts from rank 0's parameters
         whole = replicate_root and all(id(p) in at_root for p in params)
@@ -340,7 +188,7 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
             local = local.to(compute_dtype)
             for p in params:  # the same layout, in the compute dtype
                 p.data = p.data.to(compute_dtype)
-            group = FlatParamGroup(params, world, rank, names, transport=transport, **groups)
+            group = group_type(params, world, rank, names, transport=transport, **groups)
         del flat
         group.label = f"unit {len(units)}"  # its collectives' names in a profiler trace
         unit = Unit(name, module, group, local, replicated=whole)
@@ -364,20 +212,10 @@ def attach_post_forward_groups(units: list[Unit], d: int) -> None:
     name_level(group, "post_forward")
     for unit in units:
         if not unit.replicated:
-            unit.post_group = _over(unit.group, group, d, rank % d)
+            unit.post_group = unit.group.sharded_over(group, d, rank % d)
             if unit.frozen is not None:
-                unit.frozen.post_group = _over(unit.frozen.group, group, d, rank % d)
-
-
-def _over(layout: FlatParamGroup, group, d: int, rank: int) -> FlatParamGroup:
-    """`layout`'s buffer sharded over `group` (d ranks) instead: d chunks of N·S / d."""
-    over = copy.copy(layout)
-    over.__dict__.pop("direct", None)  # decided again, for this group
-    over.process_group, over.replicate_group, over.world_size, over.rank = group, None, d, rank
-    over.shard_numel = layout.padded_numel // d
-    over.shard_start, over.shard_end = over.shard_range(rank)
-    over.label = f"{layout.label} after forward"
-    return over
+                unit.frozen.post_group = unit.frozen.group.sharded_over(group, d,
+                                                                             rank % d)
 
 
 def _frozen_part(unit_name: str, named, index: int, compute_dtype, kept: set[int], world: int,

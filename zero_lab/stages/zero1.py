@@ -25,13 +25,12 @@ The plain stage (`zero_lab/plain/stage1.py`, which reduces in `opt.step()`) plus
                                                         (for clipping and reads), as in DDP
     pre-divide, no_sync             zero1.py,           several backwards a step average right
                                       accumulation.py
-    reduce during backward;         reductions_in_flight.py
-      a step per bucket as it lands                     overlap (`overlap_grad_reduce`,
-                                                        `overlap_step`): the same bytes, earlier
+    reduce during backward;         partition.py's      overlap (`overlap_grad_reduce`,
+      a step per bucket as it lands   InFlight          `overlap_step`): the same bytes, earlier
     the all-gather under the next   param_gather.py     hides the gather; a raw read of a
       forward                                           parameter waits for its own bucket
     mixed precision, fp32 masters   mixed_precision.py  16-bit compute, the update in fp32
-    unused and frozen parameters    gradient_sync.py    a missing gradient named, or agreed on
+    unused and frozen parameters    unused_params.py    a missing gradient named, or agreed on
     lockstep, agreement, refusals   lockstep.py,        ranks that differ fail together, named;
                                       refusals.py       misuse refused before it trains wrong
     the direct exchange on gloo     collectives/        gloo runs a reduce-scatter as a whole
@@ -49,18 +48,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.stages.gradient_sync import GradientSync
-from zero_lab.stages.mixed_precision import install_fresh_start, land_wide, reduces_wide
-from zero_lab.stages.partition import FlatParamGroup, make_flat_groups
-from zero_lab.stages.ranks_agree import check_ranks_agree
-from zero_lab.stages.reductions_in_flight import InFlight
+from zero_lab.stages.gradient_sync import FullGradients, GradientSync
+from zero_lab.stages.mixed_precision import install_fresh_start, land_wide
+from zero_lab.stages.partition import FlatParamGroup, InFlight, make_flat_groups
+from zero_lab.stages.refusals import ZERO1_VARIANTS, check_ranks_agree
 from zero_lab.stages.sharded_optimizer import (
     ShardedOptimizer,
     make_plan,
     refuse_outside_optimizers,
 )
-
-VARIANTS = ("reduce_scatter", "all_reduce")
 
 
 class Zero1(GradientSync):
@@ -72,22 +68,23 @@ class Zero1(GradientSync):
     def __init__(self, groups: list[FlatParamGroup], variant: str = "reduce_scatter",
                  reduce_in_step: bool = False, find_unused_parameters: bool = False,
                  overlap_grad_reduce: bool = False) -> None:
-        if variant not in VARIANTS:
-            raise ValueError(f"stage 1 variant must be one of {VARIANTS}, got {variant!r}")
+        if variant not in ZERO1_VARIANTS:
+            raise ValueError(f"stage 1 variant must be one of {ZERO1_VARIANTS}, got {variant!r}")
         if overlap_grad_reduce and (variant != "reduce_scatter" or reduce_in_step):
             raise ValueError("overlap_grad_reduce reduce-scatters during backward: not with "
                              "the all_reduce variant nor a reduction in step()")
         super().__init__(groups, find_unused_parameters)
         self.variant = variant
         # Reduce-scatter each bucket as soon as its gradients are in, during backward, with
-        # stage 2's queue of buckets in flight (reductions_in_flight.py); else all when backward
+        # stage 2's queue of buckets in flight (partition.py's InFlight); else all when backward
         # ends.
         self.overlap_grad_reduce = overlap_grad_reduce
         self.reductions = InFlight(self._land)
         # When gradients are reduced: at the end of backward (shard()), or in opt.step()
         # (ZeroRedundancyOptimizer below, an optimizer that leaves backward alone).
         self.reduce_in_step = reduce_in_step
-        self.make_grad_buffers()  # full gradients, kept for the whole run (g·Ψ bytes)
+        self.grads = FullGradients(self)  # stage 0's: full gradients, kept (g·Ψ bytes)
+        self.grad_buffers = self.grads.flat_grads
         # The optimizer updates only this rank's slice; its gradient is the same slice of the
         # gradient buffer (both are views: no memory of their own).
         for group, grad in zip(groups, self.grad_buffers, strict=True):
@@ -102,6 +99,7 @@ class Zero1(GradientSync):
                 for p in group.params:
                     self._hook_handles.append(p.register_hook(self._pre_divide))
         install_fresh_start(self)  # reduce_dtype=float32: accumulation in fp32
+        self.hook_each_gradient(self.on_grad)
 
     def _pre_divide(self, grad: torch.Tensor) -> torch.Tensor | None:
         # Before autograd adds into the buffer, the last backward's reductions land
@@ -109,16 +107,20 @@ class Zero1(GradientSync):
         # Not in the middle of this backward (its own are in flight): only before its first
         # gradient, when its end-of-backward callback is not queued yet.
         if not self._callback_queued:
-            self.finish_reductions()
+            self.land_reductions()
         return grad / self.world_size if self._holds_average else None  # None: unchanged
 
-    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
-        self.adopt_grad(g, i, param)
+    def on_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        """Parameter i of bucket g has its gradient: into the full buffer (stage 0's)."""
+        self.gradient_arrived(g, i)  # (the first of a backward queues end_of_backward)
+        self.grads.adopt(g, i, param)
+        for ready in self.groups_ready(g):  # all in, in the order every rank sends
+            self.on_group_ready(ready)
 
     def on_group_ready(self, g: int) -> None:
         if not self.overlap_grad_reduce or self.defers():
             return  # reduced when backward ends (or, under no_sync, kept here)
-        self.adopt_grads(g, self.grad_views[g])  # the buffer holds every gradient of g
+        self.grads.adopt_all(g)  # the buffer holds every gradient of g
         self._send(g)
 
     def _send(self, g: int) -> None:
@@ -131,7 +133,7 @@ class Zero1(GradientSync):
 
     def _slice_dtype(self, g: int) -> torch.dtype | None:
         """The reduced slice's dtype: fp32 when reduced in fp32 (kept for the optimizer)."""
-        return torch.float32 if reduces_wide(self, g) else None
+        return torch.float32 if self.groups[g].reduces_wide else None
 
     def _land_slice(self, g: int, buf: torch.Tensor, owned: torch.Tensor) -> None:
         """The averaged slice into our part of the buffer (fp32: kept, and its rounding)."""
@@ -147,10 +149,16 @@ class Zero1(GradientSync):
         self._land_slice(g, buf, owned)
         self.step_params[g].grad = self.groups[g].shard(buf)  # None since a zero_grad
 
-    def on_backward_end(self) -> None:
+    def end_of_backward(self) -> None:
+        for g in self.groups_left():  # a parameter unused this backward: zeros, still sent
+            self.on_group_ready(g)
+        self.reduce_when_backward_ends()
+        self.backward_over()
+
+    def reduce_when_backward_ends(self) -> None:
         if self.defers():  # no_sync: the gradients stay in the full buffer, summed locally
             for g in range(len(self.groups)):
-                self.adopt_grads(g, self.grad_views[g])
+                self.grads.adopt_all(g)
         elif self.overlap_grad_reduce:  # sent during backward: land them (or leave them
             self.reductions.land(keep=None if self.overlap_step else 0)  # to opt.step())
             self._holds_average = True  # a later backward adds on top
@@ -158,16 +166,16 @@ class Zero1(GradientSync):
             self.reduce_gradients()
 
     def on_backward_abandoned(self) -> None:
-        self.finish_reductions()  # buckets already sent land, as gradients (see Zero2)
+        self.land_reductions()  # buckets already sent land, as gradients (see Zero2)
 
 
     def reduce_gradients(self) -> None:
         """The stage's one gradient collective per group (after backward, or in step())."""
         for g in range(len(self.groups)):
-            self.adopt_grads(g, self.grad_views[g])
+            self.grads.adopt_all(g)
         if self.variant == "all_reduce":
             # Every rank gets the full averaged gradient and will use only its slice of it.
-            wides = [buf.float() if reduces_wide(self, g) else None
+            wides = [buf.float() if self.groups[g].reduces_wide else None
                      for g, buf in enumerate(self.grad_buffers)]
             works = [group.all_reduce(buf if wide is None else wide, async_op=True)
                      for group, buf, wide in zip(self.groups, self.grad_buffers, wides,
@@ -203,8 +211,8 @@ class Zero1(GradientSync):
         self.all_gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.finish_reductions()  # overlap_step, no step since: they would land after it
-        self.zero_grad_buffers(set_to_none)
+        self.land_reductions()  # overlap_step, no step since: they would land after it
+        self.grads.zero_grad(set_to_none)
         self._holds_average = False
         self.drop_unsynced()
 

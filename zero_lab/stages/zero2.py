@@ -20,13 +20,12 @@ The plain stage (`zero_lab/plain/stage2.py`) plus:
 
     addition                        module              why a real implementation needs it
     the all-gather under the next   param_gather.py,    hides the gather (a raw read waits for
-      forward; a step per bucket    reductions_in_flight.py
-      as its slice lands                                its bucket); the update overlaps the
-                                                        last reduce-scatters
+      forward; a step per bucket    partition.py's      its bucket); the update overlaps the
+      as its slice lands              InFlight          last reduce-scatters
     no_sync, `grad_accumulation`    accumulation.py     micro-batches: reduce-scatter each (the
       "sharded" or "unsharded"                          saving holds) or hold one full gradient
     mixed precision, fp32 masters   mixed_precision.py  16-bit compute, the update in fp32
-    unused and frozen parameters    gradient_sync.py    a missing gradient named, or agreed on
+    unused and frozen parameters    unused_params.py    a missing gradient named, or agreed on
     torch's clip_grad_norm_         torch_clipping.py   `.grad` is None: the slices' global norm
     lockstep, agreement, refusals   lockstep.py,        ranks that differ fail together, named;
                                       refusals.py       misuse refused before it trains wrong
@@ -41,88 +40,73 @@ import torch.distributed as dist
 from torch import nn
 
 from zero_lab.stages.gradient_sync import GradientSync, clear_grads
-from zero_lab.stages.mixed_precision import reduces_wide
-from zero_lab.stages.partition import FlatParamGroup
-from zero_lab.stages.reductions_in_flight import InFlight
+from zero_lab.stages.partition import FlatParamGroup, InFlight
 
 
-class Zero2(GradientSync):
-    """Bucketed reduce-scatter during backward; full gradients freed as their bucket is sent."""
+class ShardedGradients:
+    """Stage 2's gradient path (the module docstring's steps), which stage 3 uses too; the
+    averaged slice lands on what the stage steps (`sync.step_params[g].grad`)."""
 
-    stage = 2
-    sharded = True
-    MAX_IN_FLIGHT = 2  # buckets sent but not yet complete (each holds a full bucket buffer)
-
-    def __init__(self, groups: list[FlatParamGroup],
-                 owned_slices: list[torch.Tensor] | None = None,
-                 find_unused_parameters: bool = False,
-                 grad_accumulation: str = "sharded") -> None:
-        super().__init__(groups, find_unused_parameters)
-        self.grad_accumulation = grad_accumulation  # what no_sync keeps (module docstring)
-        # The optimizer updates this rank's slice of each flat buffer (a view, no copy), or
-        # the `owned_slices` given (stage 3 keeps slices in memory of their own). Its
-        # gradient appears at the end of backward: grads are sharded.
-        if owned_slices is None:
-            owned_slices = [group.shard(group.flat) for group in groups]
-        for owned in owned_slices:
-            self.step_params.append(nn.Parameter(owned, requires_grad=False))
-        self._buckets: list[torch.Tensor | None] = [None] * len(groups)  # filling this backward
+    def __init__(self, sync: GradientSync, max_in_flight: int) -> None:
+        self.sync, self.max_in_flight = sync, max_in_flight
+        n = len(sync.groups)
+        self.buckets: list[torch.Tensor | None] = [None] * n  # filling this backward
         # "unsharded" accumulation: each bucket's full gradient summed over the backwards run
         # under no_sync since the last one sent (None: nothing held).
-        self._held: list[torch.Tensor | None] = [None] * len(groups)
-        self._arrived: list[list[bool]] = [[False] * len(g.params) for g in groups]
-        # buckets sent, not yet landed (reductions_in_flight.py)
-        self.reductions = InFlight(self._land)
+        self.held: list[torch.Tensor | None] = [None] * n
+        self.arrived: list[list[bool]] = [[False] * len(g.params) for g in sync.groups]
+        self.reductions = InFlight(self.land)  # sent, not landed
 
-    def on_param_grad(self, g: int, i: int, param: torch.Tensor) -> None:
-        group = self.groups[g]
-        if self._buckets[g] is None:  # first gradient of this bucket in this backward
+    def add(self, g: int, i: int, param: torch.Tensor) -> None:
+        """Parameter i of bucket g: its gradient into the bucket's full buffer, then dropped."""
+        group = self.sync.groups[g]
+        if self.buckets[g] is None:  # first gradient of this bucket in this backward
             # add into what no_sync backwards held, or a fresh buffer that every element of
-            # is written (here, or zeroed in on_group_ready)
-            held = self._held[g]
-            self._buckets[g] = held if held is not None else group.new_full(zeroed=False)
+            # is written (here, or zeroed in send)
+            held = self.held[g]
+            self.buckets[g] = held if held is not None else group.new_full(zeroed=False)
         offset, numel = group.offsets[i], group.numels[i]
-        target = self._buckets[g][offset:offset + numel]
-        if self._held[g] is not None:
+        target = self.buckets[g][offset:offset + numel]
+        if self.held[g] is not None:
             target.add_(param.grad.reshape(-1))
         else:
             target.copy_(param.grad.reshape(-1))
-        self._arrived[g][i] = True
+        self.arrived[g][i] = True
         param.grad = None  # the full gradient of this parameter is freed now
 
-    def on_group_ready(self, g: int) -> None:
-        group = self.groups[g]
-        held = self._held[g]
-        full = self._buckets[g] if self._buckets[g] is not None else held
+    def send(self, g: int) -> None:
+        """Bucket g is full: REDUCE-SCATTER it (or hold it, under no_sync "unsharded")."""
+        sync, group, held = self.sync, self.sync.groups[g], self.held[g]
+        full = self.buckets[g] if self.buckets[g] is not None else held
         if full is None:
             full = group.new_full(zeroed=False)
         if full is not held:  # a fresh buffer: unused parameters and padding contribute zeros
-            for i, arrived in enumerate(self._arrived[g]):
+            for i, arrived in enumerate(self.arrived[g]):
                 if not arrived:
                     full[group.offsets[i]:group.offsets[i] + group.numels[i]].zero_()
             full[group.numel:].zero_()  # the padding
-        self._buckets[g], self._arrived[g] = None, [False] * len(group.params)
-        if self.defers():  # no_sync, "unsharded": keep the full gradient, send it later
-            self._held[g] = full
+        self.buckets[g], self.arrived[g] = None, [False] * len(group.params)
+        if sync.defers():  # no_sync, "unsharded": keep the full gradient, send it later
+            self.held[g] = full
             return
-        self._held[g] = None  # sent now, freed once sent
-        wide = reduces_wide(self, g)  # reduce_dtype=float32: the average is kept in fp32
-        if self.replicated[g]:  # kept whole on every rank: average the whole gradient
+        self.held[g] = None  # sent now, freed once sent
+        wide = group.reduces_wide  # reduce_dtype=float32: the average is kept in fp32
+        if sync.replicated[g]:  # kept whole on every rank: average the whole gradient
             owned = full.float() if wide else full
             work = group.all_reduce(owned, async_op=True)
         else:
             owned = group.new_shard(torch.float32 if wide else None, zeroed=False)
             work = group.reduce_scatter(owned, full, op=dist.ReduceOp.AVG, async_op=True)
-        self.reductions.send(g, work, full, owned, keep=self.MAX_IN_FLIGHT)
+        self.reductions.send(g, work, full, owned, keep=self.max_in_flight)
 
-    def _land(self, g: int, _full: torch.Tensor, owned: torch.Tensor) -> None:
+    def land(self, g: int, _full: torch.Tensor, owned: torch.Tensor) -> None:
         """Bucket g's reduce-scatter is done: its averaged slice becomes (or adds to, when
         accumulating) the gradient of what this rank steps."""
-        step_param = self.step_params[g]
+        step_param = self.sync.step_params[g]
         if owned.dtype != step_param.dtype:  # reduced in fp32: the master's gradient
-            main = self.main_grads[g]
+            main = self.sync.main_grads[g]
             if main is None or step_param.grad is None:
-                main = self.main_grads[g] = owned
+                main = self.sync.main_grads[g] = owned
             else:
                 main.add_(owned)  # accumulated in fp32, as FSDP2's fp32 sharded gradient
             owned = main.to(step_param.dtype)  # what `.grad` shows: its rounding
@@ -134,33 +118,68 @@ class Zero2(GradientSync):
         else:
             step_param.grad.add_(owned)  # gradient accumulation, on the slice only
 
-    def on_backward_end(self) -> None:
+    def zero_grad(self, set_to_none: bool) -> None:
+        """The stage's zero_grad: the gradient slices, and what no_sync held, dropped."""
+        sync = self.sync
+        sync.land_reductions()  # overlap_step, no step since: they would land after it
+        clear_grads(sync.step_params, set_to_none)  # the owned gradient slices
+        if set_to_none:
+            sync.clear_has_grad()
+        self.held = [None] * len(self.held)  # accumulated under no_sync: dropped too
+        sync.drop_unsynced()
+
+    def abandon(self) -> None:
+        """A backward raised: buckets already sent land, as gradients; half-filled ones are
+        never sent (a held one keeps what it got)."""
+        self.reductions.land(keep=0)
+        self.buckets = [None] * len(self.buckets)
+        self.arrived = [[False] * len(g.params) for g in self.sync.groups]
+
+
+class Zero2(GradientSync):
+    """Bucketed reduce-scatter during backward; full gradients freed as their bucket is sent."""
+
+    stage = 2
+    sharded = True
+    MAX_IN_FLIGHT = 2  # buckets sent but not yet complete (each holds a full bucket buffer)
+
+    def __init__(self, groups: list[FlatParamGroup], find_unused_parameters: bool = False,
+                 grad_accumulation: str = "sharded") -> None:
+        super().__init__(groups, find_unused_parameters)
+        self.grad_accumulation = grad_accumulation  # what no_sync keeps (accumulation.py)
+        # The optimizer updates this rank's slice of each flat buffer (a view, no copy). Its
+        # gradient appears at the end of backward: grads are sharded.
+        self.step_params += [nn.Parameter(group.shard(group.flat), requires_grad=False)
+                             for group in groups]
+        self.grads = ShardedGradients(self, self.MAX_IN_FLIGHT)
+        self.reductions = self.grads.reductions
+        self.hook_each_gradient(self.on_grad)
+
+    def on_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        """Parameter i of bucket g has its gradient: into the bucket's full buffer, `.grad`
+        dropped; a full bucket goes out (REDUCE-SCATTER)."""
+        self.gradient_arrived(g, i)  # (the first of a backward queues end_of_backward)
+        self.grads.add(g, i, param)
+        for ready in self.groups_ready(g):  # all in, in the order every rank sends
+            self.grads.send(ready)
+
+    def end_of_backward(self) -> None:
+        """Wait for the last reduce-scatters: each rank holds its slices' averaged gradient."""
+        for g in self.groups_left():  # a parameter unused this backward: zeros, still sent
+            self.grads.send(g)
         # overlap_step: the last buckets land inside opt.step(), each just before its update
         self.reductions.land(keep=None if self.overlap_step else 0)
-
+        self.backward_over()
 
     def on_backward_abandoned(self) -> None:
-        self.reductions.land(keep=0)  # buckets already sent: their slices are added, as gradients
-        self._buckets = [None] * len(self.groups)  # half-filled ones: never sent (a held one
-        self._arrived = [[False] * len(g.params) for g in self.groups]  # keeps what it got)
+        self.grads.abandon()
 
     @property
-    def grad_buffers(self) -> list[torch.Tensor]:
-        """The full gradients held under no_sync ("unsharded"), which `measured.held_bytes`
-        counts as gradients, as it counts stages 0-1's buffers."""
-        return [h for h in self._held if h is not None]
-
-    def defers(self) -> bool:
-        """Under no_sync only "unsharded" accumulation keeps gradients on this rank."""
-        return self.grad_accumulation == "unsharded" and not self._syncing
+    def grad_buffers(self) -> list[torch.Tensor]:  # held under no_sync: measure/memory.py's
+        return [h for h in self.grads.held if h is not None]
 
     def after_step(self) -> None:
         self.all_gather_params()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.finish_reductions()  # overlap_step, no step since: they would land after it
-        clear_grads(self.step_params, set_to_none)  # the owned gradient slices
-        if set_to_none:
-            self.clear_has_grad()
-        self._held = [None] * len(self.groups)  # accumulated under no_sync: dropped too
-        self.drop_unsynced()
+        self.grads.zero_grad(set_to_none)

@@ -20,8 +20,8 @@ computes. One training step, for one unit of Ψ_u elements (the collectives in C
                          (Ψ_u), asynchronously, into this rank's gradient slice
 
 Per step: two all-gathers and one reduce-scatter of Ψ = 3Ψ, 1.5x stages 0-2 (section 7.2.2).
-`Zero3` subclasses `Zero2` (zero2.py: the gradient hooks, the asynchronous reduce-scatter,
-the end-of-backward wait) and adds the units' gathering and releasing.
+`Zero3` holds stage 2's gradient path (zero2.py's `ShardedGradients`) and gathers and
+releases the units around it.
 
 The plain stage (`zero_lab/plain/stage3.py`) plus:
 
@@ -30,26 +30,26 @@ The plain stage (`zero_lab/plain/stage3.py`) plus:
       tied weights in the unit that                       a tied embedding must be one weight;
       encloses their users, the root                      the root's norms shard or replicate
       unit sharded or replicated                          (`root_params`)
-    a resting parameter is its 1-D    at_rest.py          names, tied weights and references stay
-      piece; other reads refused                          valid and a torch optimizer steps the
+    a resting parameter is its 1-D    at_rest.py          names, tied weights and references (from
+      piece; other reads refused                          shard() on) stay valid; torch steps the
                                                           pieces; a stray read (an L2 term) is
                                                           refused by name, not wrong silently
-    prefetch of the next k units      zero3.py            the all-gather overlaps compute (order
+    prefetch of the next k units      unit_order.py       the all-gather overlaps compute (order
                                                           learnt in the first step; k + 1 units
                                                           gathered at most)
-    `reshard_after_forward` False or  zero3.py, units.py  2Ψ a step for resident parameters, or
+    `reshard_after_forward` False or  zero3.py            2Ψ a step for resident parameters, or
       an int d                          (Unit.post)       backward's gather kept in d ranks
     no_sync, `grad_accumulation`      accumulation.py     micro-batches: reduce-scatter each, or
                                                           hold one full gradient and send once
     mixed precision: fp32 masters,    mixed_precision.py  16-bit compute, the update in fp32
       `keep_fp32`, `reduce_dtype`
-    frozen parameters sharded         units.py            LoRA: the frozen base is most of the
+    frozen parameters sharded         units.py, zero3.py  LoRA: the frozen base is most of the
       (FrozenPart), released after                        memory; backward may still need a
       their inputs' gradients                             frozen weight after the last gradient
     lockstep; every gather checked    lockstep.py,        ranks apart pair wrong gathers; a unit
-      in forward 1, `check_order`: all  zero3.py          called on one rank only is named at it
-    refusals: torch.compile, pieces   zero3.py,           a compiled graph cannot follow storage
-      in `model.state_dict()`           state_dicts.py        freed and refilled; pieces are no
+      in forward 1, `check_order`: all  unit_order.py     called on one rank only is named at it
+    refusals: torch.compile, pieces   refusals.py,        a compiled graph cannot follow storage
+      in `model.state_dict()`           state_dicts.py    freed and refilled; pieces are no
                                                           checkpoint (full_state_dict is)
     activation checkpointing          recompute.py        a recomputed forward finds its unit
                                                           gathered and leaves it so
@@ -66,18 +66,183 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from zero_lab.profiling.marks import Span
-from zero_lab.stages.accumulation import FORWARDS_DIFFER, describe_forward, forward_fingerprint
-from zero_lab.stages.lockstep import Lockstep
-from zero_lab.stages.units import Unit
-from zero_lab.stages.zero2 import Zero2
+from zero_lab.stages.at_rest import label, rest, wake
+from zero_lab.stages.gradient_sync import GradientSync
+from zero_lab.stages.partition import FlatParamGroup, allocate_storage, free_storage
+from zero_lab.stages.refusals import refuse_compile
+from zero_lab.stages.unit_order import UnitOrder
+from zero_lab.stages.unused_params import refuse_unfrozen
+from zero_lab.stages.zero2 import ShardedGradients
+
+# ============================================================================ the units
+
+class ShardedPart:
+    """A flat group of parameters sharded over the ranks, with the three moves of its
+    lifecycle: start the all-gather, finish it, release.
+
+    `local` (S elements) holds this rank's part of the parameters, in memory of its own.
+    `full` (N·S elements) is allocated, all-gathered into, and freed in place again;
+    `full_views` are the parameter-shaped views of it the module computes with, and
+    `local_views` each parameter's piece of `local` (1-D, possibly empty): the parameters
+    at rest. A unit's trainable parameters are one (`Unit`), its frozen ones another
+    (`FrozenPart`).
+    """
+
+    def __init__(self, unit_name: str, group: FlatParamGroup, local: torch.Tensor,
+                 replicated: bool = False) -> None:
+        self.group = group
+        self.params = group.params
+        self.local = local
+        # A replicated unit (shard(..., root_params="replicate")) keeps the whole flat
+        # buffer on every rank: `local` is it, nothing is gathered or freed, and each
+        # parameter keeps its full shape.
+        self.replicated = replicated
+        if replicated:
+            self.full = local
+            self.full_views = group.views(local)
+        else:
+            self.full = group.new_full(local.dtype)
+            self.full_views = group.views(self.full)  # made while the storage exists
+            free_storage(self.full)  # nothing gathered yet
+        # Where each parameter's local piece sits in `local`: [start, end).
+        spans = [(0, 0)] * len(self.params)
+        for piece in group.shard_pieces():
+            spans[piece.index] = (piece.shard_start, piece.shard_start + piece.numel)
+        self.spans = spans
+        self.local_views = self.pieces(local)
+        self.work: dist.Work | None = None  # an all-gather in flight (prefetch)
+        # reshard_after_forward=d (attach_post_forward_groups): the layout over d ranks, and
+        # from forward to backward this rank's 1/d of `full`, which backward gathers from.
+        self.post_group: FlatParamGroup | None = None
+        self.post: torch.Tensor | None = None
+        for p, piece, name, shape in zip(self.params, self.local_views, group.names,
+                                         group.shapes, strict=True):
+            p.data = piece
+            label(p, name, unit_name, shape, local)
+            if not replicated:  # a replicated unit's parameters are whole: never a piece
+                rest(p)
+
+    def pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's 1-D piece of a slice-sized tensor (the parameters, a gradient);
+        for a replicated unit, each parameter's full-shaped view of the whole buffer."""
+        if self.replicated:
+            return self.group.views(shard)
+        return [shard[start:end] for start, end in self.spans]
+
+    def start_gather(self) -> None:
+        """Give `full` its memory back and start the all-gather into it (asynchronously)."""
+        if self.replicated:
+            return
+        allocate_storage(self.full)
+        over, source = (self.group, self.local) if self.post is None else (self.post_group,
+                                                                           self.post)
+        self.work = over.all_gather(self.full, source, async_op=True)  # (post: over d ranks)
+
+    def finish_gather(self) -> None:
+        """Wait for the all-gather; the parameters become views of the full buffer."""
+        if self.work is not None:  # a replicated unit has none to wait for
+            self.work.wait()
+        self.work = None
+        self.post = None  # used (or never made)
+        for p, view in zip(self.params, self.full_views, strict=True):
+            wake(p)  # whole first: the .data write below is then a plain one
+            p.data = view
+
+    def full_copy(self) -> torch.Tensor:
+        """A full copy of the flat buffer, out of the lifecycle (an all-gather: every rank)."""
+        if self.replicated:
+            return self.local
+        full = self.group.new_full(self.local.dtype)
+        self.group.all_gather(full, self.local)
+        return full
+
+    def keep_post(self) -> None:
+        """reshard_after_forward=d: keep this rank's 1/d of `full` for backward's gather."""
+        self.post = self.post_group.shard(self.full).clone()
+
+    def release(self) -> None:
+        """The parameters become local pieces again and the full buffer's memory is freed.
+
+        Free the storage, in place: views of `full` that autograd saved keep the same
+        storage object, which the next all-gather refills.
+        """
+        if self.work is not None:  # a prefetched all-gather nobody used
+            self.work.wait()
+            self.work = None
+        if self.replicated:
+            return
+        for p, piece in zip(self.params, self.local_views, strict=True):
+            p.data = piece
+            rest(p)
+        free_storage(self.full)
+
+
+class FrozenPart(ShardedPart):
+    """A unit's frozen parameters, sharded as its trainable ones (FSDP2 shards them too) and
+    gathered and released with them; no gradient, reduce-scatter or optimizer state."""
+
+
+class Unit(ShardedPart):
+    """One unit: a module, its trainable parameters sharded (ShardedPart), and its frozen
+    ones (`frozen`), which every move of the lifecycle takes along."""
+
+    def __init__(self, name: str, module: nn.Module, group: FlatParamGroup,
+                 local: torch.Tensor, replicated: bool = False) -> None:
+        super().__init__(name, group, local, replicated)
+        self.name = name
+        self.module = module
+        self.gathered = False
+        self.frozen: FrozenPart | None = None  # its frozen parameters (make_units)
+
+    def start_gather(self) -> None:
+        super().start_gather()
+        if self.frozen is not None:
+            self.frozen.start_gather()
+
+    def finish_gather(self) -> None:
+        super().finish_gather()
+        if self.frozen is not None:
+            self.frozen.finish_gather()
+        self.gathered = True
+
+    def reshard_after_forward(self) -> None:
+        """reshard_after_forward=d: keep this rank's 1/d of the gathered buffers, release."""
+        self.keep_post()
+        if self.frozen is not None:
+            self.frozen.keep_post()
+        self.release()
+
+    def drop_post(self) -> None:
+        """A forward whose backward never came (or the step): its 1/d copy is stale."""
+        self.post = None
+        if self.frozen is not None:
+            self.frozen.post = None
+
+    def release(self) -> None:
+        super().release()
+        self.gathered = False
+        if self.frozen is not None:
+            self.frozen.release()
+
+    @property
+    def busy(self) -> bool:
+        """Gathered, or being gathered."""
+        return self.gathered or self.work is not None
+
+    def __repr__(self) -> str:
+        g = self.group
+        return (f"Unit({self.name}: {len(self.params)} params, numel={g.numel}, "
+                f"padded={g.padded_numel}, slice={g.shard_numel})")
+
 
 # ============================================================================ the stage
 
 
-class Zero3(Zero2):
+class Zero3(GradientSync):
     """Stage 2's gradient path, plus units gathered just in time and released after use."""
 
     stage = 3
@@ -88,36 +253,31 @@ class Zero3(Zero2):
                  find_unused_parameters: bool = False, check_order: bool = False,
                  reshard_after_forward: bool = True, grad_accumulation: str = "sharded"
                  ) -> None:
-        super().__init__([u.group for u in units], owned_slices=[u.local for u in units],
-                         find_unused_parameters=find_unused_parameters,
-                         grad_accumulation=grad_accumulation)
+        super().__init__([u.group for u in units], find_unused_parameters)
+        self.grad_accumulation = grad_accumulation  # what no_sync keeps (accumulation.py)
+        # The optimizer updates each unit's slice (memory of its own); stage 2's gradient
+        # path lands each unit's averaged gradient slice on it.
+        self.step_params += [nn.Parameter(u.local, requires_grad=False) for u in units]
+        self.grads = ShardedGradients(self, self.MAX_IN_FLIGHT)
+        self.hook_each_gradient(self.on_grad)
+        self.reductions = self.grads.reductions
         self.units = units
         self.reshard_after_forward = reshard_after_forward
         self._kept: set[int] = set()  # gathered past their forward (reshard_after_forward)
         self._withheld: set[int] = set()  # kept units whose .grad pieces were not given out
         self.replicated = [unit.replicated for unit in units]
-        self.depth = int(prefetch)  # units gathered ahead of the one computing: False 0, True 1
-        # Measured variant (course/bench_systems.py; not faster, see "Backward prefetch" above): a
-        # training forward's end starts gathering the units its backward runs first.
+        # The order units run in, learnt in the first step: what each prefetches (`prefetch`
+        # units ahead: False 0, True 1), and the ranks' checks that they gather the same units.
+        self.order = UnitOrder(units, int(prefetch), check_order)
+        # Measured variant (course/bench_systems.py; not faster): a training forward's end
+        # starts gathering the units its backward runs first.
         self.prefetch_into_backward = False
-        # Before a unit's all-gather the ranks check they gather the same unit
-        # (_check_same_unit): in the first forward always, with check_order in every one.
-        self.check_order = check_order
-        self._order_lockstep: Lockstep | None = None  # check_order without check_lockstep
-        self.forward_order: list[int] | None = None  # recorded on the first forward
-        self.backward_order: list[int] | None = None  # recorded on the first backward
-        self._forward_record: list[int] | None = None
-        self._gathers: list[int] | None = None  # units this forward gathered, in order
-        self._position, self._derailed = 0, False
-        self._backward_record: list[int] = []
-        # phase -> unit -> the units to gather ahead when it starts (the next `depth` ones)
-        self._ahead: dict[str, dict[int, list[int]]] = {"forward": {}, "backward": {}}
         self._grads_taken = [False] * len(units)
         self._spans: dict[tuple[str, int], Span] = {}  # "forward / unit k" marks (profiling)
         # Teaching hook: called as on_event(what, unit name) at "gather", "release" and
         # "reduce_scatter" (notebook 05 marks unit boundaries on its memory timeline).
         self.on_event: Callable[[str, str], None] | None = None
-        # Frozen parameters (units.FrozenPart) may be needed by backward after the unit's last
+        # Frozen parameters (zero3.FrozenPart) may be needed by backward after the unit's last
         # gradient is in (a frozen Linear's grad-input): such a unit is released once the
         # gradients of its inputs are computed (`_pending_inputs` hooks), and the root or a
         # unit enclosing others (whose inputs say nothing of what runs inside) when backward ends.
@@ -148,44 +308,11 @@ class Zero3(Zero2):
         if unit.gathered or unit.replicated:
             return
         if unit.work is None:
-            if self.check_order or self._forward_record is not None:  # (the first forward)
-                self._check_same_unit(u)
-            if self._gathers is not None:
-                self._gathers.append(u)
+            self.order.before_gather(u, self)  # the ranks gather the same unit (first forward)
             self._event("gather", u)
             unit.start_gather()
         if wait:
             unit.finish_gather()
-
-    def _check_same_unit(self, u: int) -> None:
-        """Every rank must gather the same unit now. An all-gather of unit u's slices pairs
-        with whatever all-gather the other ranks issue: another unit of the same size pairs
-        silently (each rank computing with a mix of the two), one of another size makes gloo
-        abort a rank, and an all-gather the others never issue waits for ever. So before
-        the data, the ranks compare the unit's index in a lockstep check (lockstep.py, 24
-        bytes a rank): a rank about to gather one unit more than the others meets their
-        end-of-forward check, the same message. On a difference every rank raises, naming
-        the unit each was about to gather and the units this forward gathered before it.
-
-        It is a synchronisation per all-gather, so by default only the first forward pays
-        it: that forward learns the order that later ones prefetch in, and a branch that
-        depends on the rank (`if dist.get_rank() == 0: x = self.extra(x)`) is there from
-        the first step. A later forward is checked once, at its end (its order's
-        fingerprint), which a rank that gathers another unit may never reach: a branch on
-        the data, first taken at a later step, hangs or aborts there unless check_order=True
-        checks every all-gather of every forward (and backward), a debug aid."""
-        checker = self.lockstep
-        if self.check_order and not (checker is not None and checker.enabled):
-            if self._order_lockstep is None:  # check_lockstep=False: check_order still checks
-                self._order_lockstep = Lockstep(None, self.units[u].local.device)
-            checker = self._order_lockstep
-        if checker is None:
-            return
-        checker.check("gather", self.steps_taken, u, detail=lambda: {
-            "unit": self.units[u].name,
-            # None outside a forward (check_order's checks in backward)
-            "after": None if self._gathers is None else [self.units[g].name
-                                                         for g in self._gathers]})
 
     def release(self, u: int) -> None:
         unit = self.units[u]
@@ -193,16 +320,6 @@ class Zero3(Zero2):
         if unit.busy:
             unit.release()
             self._event("release", u)
-
-    def _prefetch(self, phase: str, u: int) -> None:
-        """Start the all-gathers of the units `phase` runs after u (those not gathered or
-        in flight already): at most `depth` units are gathered ahead of the one computing."""
-        for ahead in self._ahead[phase].get(u, ()):
-            self.gather(ahead, wait=False)
-
-    def _learn(self, phase: str, order: list[int]) -> None:
-        """The order a phase runs its units in, recorded once: what each unit prefetches."""
-        self._ahead[phase] = {u: order[i + 1:i + 1 + self.depth] for i, u in enumerate(order)}
 
     def _open_span(self, phase: str, u: int) -> None:
         self._close_span(phase, u)  # one left open by a step that raised
@@ -220,12 +337,9 @@ class Zero3(Zero2):
     # ------------------------------------------------------------------ forward hooks
     def _forward_start(self, root: int | None, module: nn.Module, args) -> None:
         if torch.compiler.is_compiling():  # true only while torch.compile traces
-            _refuse_compile()
-        self._refuse_unfrozen()  # a sharded frozen piece would get a full-shaped gradient
-        if self.forward_order is None and self._forward_record is None:
-            self._forward_record = []
-        self._gathers = []
-        self._position, self._derailed = 0, False  # where this forward is in forward_order
+            refuse_compile()
+        refuse_unfrozen(self.frozen)  # a sharded frozen piece would get a full-shaped gradient
+        self.order.forward_starts()
         if root is not None:
             self._pre_forward(root, module, args)
 
@@ -233,28 +347,10 @@ class Zero3(Zero2):
         if _in_backward():  # recomputed by activation checkpointing: already gathered
             self.gather(u)
             return
-        if self._forward_record is not None and u not in self._forward_record:
-            self._forward_record.append(u)
         self.gather(u)
-        if self._follows_recorded_order(u):
-            self._prefetch("forward", u)
+        for ahead in self.order.next_units("forward", u):  # prefetch (unit_order.py)
+            self.gather(ahead, wait=False)
         self._open_span("forward", u)
-
-    def _follows_recorded_order(self, u: int) -> bool:
-        """Is this forward still running its units in the order the first one recorded?
-        Prefetch only while it does: a forward that takes another path (on one rank only,
-        say) then gathers each unit when it is called, so every rank still issues one
-        all-gather per unit call, and the lockstep check at the end of forward can compare
-        the orders instead of every rank hanging on an all-gather the others never issue."""
-        order = self.forward_order
-        if order is None or self._derailed:
-            return order is None
-        if self._position < len(order) and order[self._position] == u:
-            self._position += 1
-            return True
-        if u not in order[:self._position]:  # not a second call of a unit: another path
-            self._derailed = True
-        return False
 
     def _watch_inputs(self, u: int, module: nn.Module, args, kwargs) -> None:
         """A unit with frozen parameters: its backward is over once its inputs' gradients
@@ -296,43 +392,36 @@ class Zero3(Zero2):
         for u in range(len(self.units)):  # a prefetch the forward did not use
             if u not in self._kept:
                 self.release(u)
-        if self._forward_record is not None:  # the first forward: learn the order
-            order, self._forward_record = self._forward_record, None
-            self.forward_order = order
-            self._learn("forward", order)
-            # Reduce-scatters go out in the order backward completes units: the reverse.
-            unused = [u for u in range(len(self.units)) if u not in order]
-            self.handover_order = order[::-1] + unused
-        self._check_forward_lockstep()
-        if (self.prefetch_into_backward and self.backward_order and torch.is_grad_enabled()
+        self.order.forward_ends(self)  # the first: learnt; every one: the ranks compare it
+        backward = self.order.backward_order
+        if (self.prefetch_into_backward and backward and torch.is_grad_enabled()
                 and any(t.requires_grad for t in _tensors(output))):
-            for u in self.backward_order[:self.depth]:  # backward's first units, from now
+            for u in backward[:self.order.depth]:  # backward's first units, from now
                 self.gather(u, wait=False)
 
-    def _check_forward_lockstep(self) -> None:
-        """Stage 3's lockstep check (lockstep.py), once per forward: the ranks compare their
-        steps taken and the order this forward gathered its units in. An order that depends
-        on the rank paired each unit's all-gather with another unit's: raise now, before
-        backward pairs more of them."""
-        gathers, self._gathers = self._gathers or [], None
-        n, syncs = self.backwards_since_step, self.requires_sync  # (accumulation.py)
-        self.check_lockstep("forward", forward_fingerprint(gathers, n, syncs),
-                            detail=lambda: describe_forward(
-                                [self.units[u].name for u in gathers], n, syncs),
-                            why=FORWARDS_DIFFER)
-
     def before_first_collective(self, phase: str) -> None:
-        """Stage 3 checks at the end of every forward instead (_check_forward_lockstep): its
+        """Stage 3 checks at the end of every forward instead (unit_order.py): its
         steps send nothing, and its forward gathers before any other collective of a step."""
 
     # ------------------------------------------------------------------ backward
+    @property
+    def grad_buffers(self) -> list[torch.Tensor]:  # held under no_sync: measure/memory.py's
+        return [h for h in self.grads.held if h is not None]
+
+    def on_grad(self, g: int, i: int, param: torch.Tensor) -> None:
+        """Parameter i of unit g has its gradient: into the unit's full gradient buffer
+        (stage 2's path); a unit whose gradients are all in is released and sent."""
+        self.gradient_arrived(g, i)  # (queued end_of_backward already: _pre_backward)
+        self.grads.add(g, i, param)
+        for ready in self.groups_ready(g):  # all in, in the order every rank sends
+            self.on_group_ready(ready)
+
     def _pre_backward(self, u: int, _grad: torch.Tensor) -> None:
         self.queue_backward_callback()
-        if self.backward_order is None and u not in self._backward_record:
-            self._backward_record.append(u)
         self._take_grads(u)
         self.gather(u)
-        self._prefetch("backward", u)
+        for ahead in self.order.next_units("backward", u):
+            self.gather(ahead, wait=False)
         self._open_span("backward", u)
 
     def _take_grads(self, u: int) -> None:
@@ -378,10 +467,12 @@ class Zero3(Zero2):
                 self.release(g)
         if not self.defers():
             self._event("reduce_scatter", g)
-        super().on_group_ready(g)
+        self.grads.send(g)  # REDUCE-SCATTER, as stage 2 sends a bucket
 
-    def on_backward_end(self) -> None:
-        super().on_backward_end()  # wait for the last reduce-scatters
+    def end_of_backward(self) -> None:
+        for g in self.groups_left():  # a unit with a parameter unused: zeros, still sent
+            self.on_group_ready(g)
+        self.land_reductions()  # wait for the last reduce-scatters
         self._pending_inputs, self._grads_in = [0] * len(self.units), set()
         for unit in self.units:
             unit.drop_post()  # a unit whose backward did not come
@@ -390,21 +481,18 @@ class Zero3(Zero2):
                 self.release(u)  # a unit prefetched for a backward that did not come
         self._give_out_grads()
         self._grads_taken = [False] * len(self.units)
-        if self.backward_order is None and self._backward_record:
-            order, self._backward_record = self._backward_record, []
-            self.backward_order = order
-            self._learn("backward", order)
+        self.order.backward_ends()
+        self.backward_over()
 
     def on_backward_abandoned(self) -> None:
-        super().on_backward_abandoned()
+        self.grads.abandon()
         self._pending_inputs, self._grads_in = [0] * len(self.units), set()
         for u in range(len(self.units)):
             self._close_span("backward", u)
             self.release(u)  # gathered for a backward that raised
         self._give_out_grads()
         self._grads_taken = [False] * len(self.units)
-        if self.backward_order is None:
-            self._backward_record = []  # learn the order from a backward that completes
+        self.order.backward_ends(completed=False)  # learn from a backward that completes
 
     def _give_out_grads(self) -> None:
         """Each parameter's `.grad` becomes its piece of the unit's gradient slice."""
@@ -433,7 +521,7 @@ class Zero3(Zero2):
         """Nothing to send: the slices were updated in place, and the next forward gathers."""
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        super().zero_grad(set_to_none)
+        self.grads.zero_grad(set_to_none)  # stage 2's; and each parameter's piece of it:
         if set_to_none:
             for unit in self.units:
                 for p in unit.params:
@@ -441,24 +529,14 @@ class Zero3(Zero2):
 
     def full_flat_params(self, g: int) -> torch.Tensor:
         """A full copy of unit g's flat parameters (an all-gather: call it on every rank)."""
-        unit = self.units[g]
-        if unit.replicated:
-            return unit.local
-        full = unit.group.new_full(unit.local.dtype)
-        unit.group.all_gather(full, unit.local)
-        return full
+        return self.units[g].full_copy()
 
     def full_frozen(self) -> dict[int, torch.Tensor]:
         """{id(parameter): full tensor} of the frozen parameters the units shard (all-gathers:
         call it on every rank)."""
-        full = {}
-        for unit in self.units:
-            if unit.frozen is not None:
-                group = unit.frozen.group
-                flat = group.new_full(unit.frozen.local.dtype)
-                group.all_gather(flat, unit.frozen.local)
-                full.update(zip(map(id, group.params), group.views(flat), strict=True))
-        return full
+        return {id(p): full for unit in self.units if unit.frozen is not None
+                for p, full in zip(unit.frozen.params,
+                                   unit.frozen.group.views(unit.frozen.full_copy()), strict=True)}
 
     # ------------------------------------------------------------------ for learners
     def gathered_bytes(self) -> int:
@@ -473,23 +551,6 @@ class Zero3(Zero2):
         return [{"unit": u.name, "params": len(u.params), "numel": u.group.numel,
                  "padded": u.group.padded_numel, "slice": u.group.shard_numel}
                 for u in self.units]
-
-
-def _refuse_compile() -> None:
-    # Run outside the traced graph, so the error reaches the caller. Disabled here, not with
-    # a decorator: the decorator imports torch._dynamo, 1.5 s of every rank's start-up, and
-    # this runs only while torch.compile traces (dynamo is loaded by then).
-    torch.compiler.disable(_compile_refused)()
-
-
-def _compile_refused() -> None:
-    raise RuntimeError(
-        "torch.compile of a model sharded at stage 3 is not supported: stage 3 gathers and "
-        "frees each unit's parameters in module hooks (all-gathers into a buffer whose memory "
-        "is freed and given back, parameters re-pointed with .data), which a compiled graph "
-        "cannot follow (autograd would find the weights it saved modified in place). Train "
-        "the stage-3 model uncompiled, or compile at stages 0-2, which compile and match one "
-        "process")
 
 
 def _in_backward() -> bool:

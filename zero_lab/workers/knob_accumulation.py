@@ -4,8 +4,8 @@ Each run shards a fresh deep MLP (`zero_lab.course.workloads.deep_mlp`, the same
 everywhere), trains `--steps` optimizer steps of k micro-batches per rank with the loop of
 `zero_lab.stages.accumulation.accumulate` (the first k - 1 under `model.no_sync()`), then one
 more, measured: the collectives it issued (`CommLedger`, bytes per optimizer step), the model
-states held between the last two micro-batches (`measured.held_bytes`: what accumulation
-keeps), the step's peak (`measured.PeakMemory`), and how far the weights end from one
+states held between the last two micro-batches (`measure.memory.held_bytes`: what accumulation
+keeps), the step's peak (`measure.memory.PeakMemory`), and how far the weights end from one
 process trained on the whole global batch of every step. The runs:
 
     stage 0, stage 1                         no_sync: accumulate locally, send once

@@ -9,7 +9,7 @@ each stage builds its flat buffers, slices, gradients and Adam states for rank 0
 as on a real cluster. The numbers the model computes are meaningless (nothing is summed
 across ranks), and that does not matter here. For every (N, stage) this worker shards a
 fresh model (seeded), trains one step, then measures a second: what rank 0 holds after
-backward (`measured.held_bytes`), and the step's peak (`measured.MemoryTimeline`, which
+backward (`measure.memory.held_bytes`), and the step's peak (`measure.memory.MemoryTimeline`, which
 also sees stage 3 regrow freed storage), next to `memory.model_state_bytes`. Stage 0 does
 not depend on N: it is measured at the smallest and the largest N only. `--bucket-mb` sizes
 stages 0-2's buckets (shard's `bucket_mb`, 25 by default); notebook 07 passes one Linear's

@@ -17,7 +17,7 @@ the grader's process and decide the verdict and the hint there. An exception is 
 its case, then re-raised so that torchrun stops every rank at once instead of leaving the
 others waiting in a collective (`zero_lab.course.exercises.run_exercises`). The learner's
 functions receive a `zero_lab.course.exercises.BareUnit` (materialize, release) or a
-`zero_lab.stages.units.Unit`.
+`zero_lab.stages.zero3.Unit`.
 """
 
 from __future__ import annotations
@@ -40,7 +40,7 @@ from zero_lab.course.rank_cases.zero3 import (
     rank_full_grad,
 )
 from zero_lab.stages.partition import FlatParamGroup, allocate_storage, free_storage
-from zero_lab.stages.units import Unit
+from zero_lab.stages.zero3 import Unit
 
 
 def _make_unit(case: UnitCase) -> tuple[nn.Module, Unit]:

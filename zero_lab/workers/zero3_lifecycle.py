@@ -33,7 +33,7 @@ import torch
 from zero_lab.collectives import CommLedger
 from zero_lab.course import workloads as W
 from zero_lab.measure.memory_timeline import activation_bytes, measure_step
-from zero_lab.plain import stage3 as plain_stage3
+from zero_lab.plain import stage3
 from zero_lab.stages import full_state_dict, shard
 
 
@@ -44,7 +44,7 @@ def plain_beside_real(mlp, batches: list, device: torch.device) -> dict:
     for key in ("plain", "shard"):
         torch.manual_seed(0)
         model = mlp().to(device)
-        model, opt = plain_stage3.shard(model, adam) if key == "plain" else shard(model, 3, adam)
+        model, opt = stage3.shard(model, adam) if key == "plain" else shard(model, 3, adam)
         for x, y in batches:
             ledger = CommLedger()
             with ledger:  # each step records anew: the last step's is reported
