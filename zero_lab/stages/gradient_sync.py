@@ -117,7 +117,6 @@ class GradientSync:
         # reduce_dtype=float32 (mixed_precision.land_wide): per 16-bit group, the fp32 average
         # the optimizer steps on; `.grad` shows its rounding. None: none since zero_grad.
         self.main_grads: list[torch.Tensor | None] = [None] * len(groups)
-        self._hook_handles: list = []
 
     # ------------------------------------------------------------------ plumbing
     def hook_each_gradient(self, on_grad: Callable[[int, int, torch.Tensor], None]) -> None:
@@ -125,8 +124,7 @@ class GradientSync:
         gradient is complete (a post-accumulate-grad hook)."""
         for g, group in enumerate(self.groups):
             for i, p in enumerate(group.params):
-                hook = _weak_hook(on_grad, g, i)
-                self._hook_handles.append(p.register_post_accumulate_grad_hook(hook))
+                p.register_post_accumulate_grad_hook(_weak_hook(on_grad, g, i))
 
     def gradient_arrived(self, g: int, i: int) -> None:
         """Parameter i of group g has its gradient (the first of a backward queues

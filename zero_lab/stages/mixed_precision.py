@@ -228,7 +228,7 @@ def install_fresh_start(sync) -> None:
     for group in sync.groups:
         if group.reduces_wide:
             for p in group.params:
-                sync._hook_handles.append(p.register_hook(partial(_fresh_start, ref)))
+                p.register_hook(partial(_fresh_start, ref))
 
 
 def _fresh_start(ref, _grad: torch.Tensor) -> None:

@@ -200,8 +200,10 @@ def check_shard_call_agrees(model: nn.Module, plan: torch.optim.Optimizer,
     """shard(): every rank describes what it was given (its options, every parameter's and
     buffer's name, shape and dtype, the optimizer's groups); they refuse together if any
     rank's differs."""
+    mesh = options["mesh"]  # a DeviceMesh, or (R, S): by its shape (hybrid.py)
+    said = {**options, "mesh": None if mesh is None else mesh_shape(mesh)}
     check_ranks_agree("shard()", {
-        **{name: comparable(value) for name, value in options.items()},
+        **{name: comparable(value) for name, value in said.items()},
         "parameters": [(n, tuple(p.shape), str(p.dtype), p.requires_grad)
                        for n, p in model.named_parameters()],
         "buffers": [(n, tuple(b.shape), str(b.dtype)) for n, b in model.named_buffers()],
@@ -209,16 +211,14 @@ def check_shard_call_agrees(model: nn.Module, plan: torch.optim.Optimizer,
 
 
 def comparable(value):
-    """A setting as the ranks compare it: classes by name, sequences as lists, a mesh by its
-    shape, anything else not plain (a dtype) as text."""
+    """A setting as the ranks compare it: classes by name, sequences as lists, anything else
+    not plain (a dtype) as text."""
     if isinstance(value, type):
         return getattr(value, "__qualname__", repr(value))
     if isinstance(value, (list, tuple)):
         return [comparable(v) for v in value]
     if value is None or isinstance(value, (bool, int, float, str)):
         return value
-    if hasattr(value, "get_group") and hasattr(value, "ndim"):  # a torch DeviceMesh
-        return list(mesh_shape(value))
     return str(value)
 
 

@@ -97,7 +97,7 @@ class Zero1(GradientSync):
         if not reduce_in_step and variant == "reduce_scatter":
             for group in groups:
                 for p in group.params:
-                    self._hook_handles.append(p.register_hook(self._pre_divide))
+                    p.register_hook(self._pre_divide)
         install_fresh_start(self)  # reduce_dtype=float32: accumulation in fp32
         self.hook_each_gradient(self.on_grad)
 

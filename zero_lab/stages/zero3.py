@@ -534,9 +534,12 @@ class Zero3(GradientSync):
     def full_frozen(self) -> dict[int, torch.Tensor]:
         """{id(parameter): full tensor} of the frozen parameters the units shard (all-gathers:
         call it on every rank)."""
-        return {id(p): full for unit in self.units if unit.frozen is not None
-                for p, full in zip(unit.frozen.params,
-                                   unit.frozen.group.views(unit.frozen.full_copy()), strict=True)}
+        full = {}
+        for unit in self.units:
+            if unit.frozen is not None:
+                views = unit.frozen.group.views(unit.frozen.full_copy())
+                full.update(zip(map(id, unit.frozen.params), views, strict=True))
+        return full
 
     # ------------------------------------------------------------------ for learners
     def gathered_bytes(self) -> int:
