@@ -291,7 +291,7 @@ def full_state_dict(model: nn.Module) -> dict[str, torch.Tensor]:
     owner = getattr(model, SHARDED_ATTR, None)
     if owner is None:
         return {name: t.detach().clone() for name, t in model.state_dict().items()}
-    owner.sync.check_lockstep("state")  # a rank that stepped once more would differ
+    owner.sync.lockstep.check("state")  # a rank that stepped once more would differ
     buffers = getattr(model, BUFFERS_ATTR, None)
     if buffers is not None:
         buffers.sync()  # rank 0's buffers, as the next training forward would see them

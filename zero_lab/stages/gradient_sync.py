@@ -96,18 +96,16 @@ class GradientSync:
         # Parameters frozen when shard() ran: outside the flat groups, never averaged nor
         # stepped. One unfrozen later is refused at the end of the next backward.
         self.frozen: list[tuple[str, nn.Parameter]] = []
-        # The ranks check once a step that they are still in lockstep (lockstep.py); shard()
-        # sets `lockstep` (None: never checked, as for a stage built by hand).
-        self.lockstep: Lockstep | None = None
-        self.steps_taken = 0  # optimizer steps so far
-        self._checked_this_step = False
+        # The ranks check once a step that they are still in lockstep (lockstep.py), which
+        # also counts the steps and backwards; shard() enables it (a stage built by hand
+        # counts, unchecked).
+        self.lockstep = Lockstep(groups[0].process_group, groups[0].device, enabled=False)
         # Gradient accumulation (accumulation.py): False inside model.no_sync(); read once
         # per backward, when it starts (`_syncing`). `unsynced`: the last backward kept its
         # gradient on this rank and nothing was sent since.
         self.requires_sync = True
         self._syncing = True
         self.unsynced = False
-        self.backwards_since_step = 0  # in the lockstep check's fingerprint
         self._arrived_unsynced: list[list[bool]] | None = None  # find_unused, under no_sync
         # Overlap (shard()'s options, stages 1-2): all-gathers left for the next forward
         # (param_gather.py), reductions for opt.step() (`overlap_step`).
@@ -193,7 +191,7 @@ class GradientSync:
         (unused_params.py), and the bookkeeping of one more backward."""
         agree_on_grads(self)
         self.unsynced = self.defers()
-        self.backwards_since_step += 1
+        self.lockstep.backwards += 1  # (in its check's fingerprint)
         self._ready_params = [0] * len(self.groups)
         self._handed_over = 0
         self._callback_queued = False
@@ -201,14 +199,19 @@ class GradientSync:
     # ------------------------------------------------------------------ in flight (overlap)
     def all_gather_params(self, gs: list[int] | None = None) -> None:
         """Stages 1 and 2, after the optimizer step: every rank's updated slice -> the full
-        parameters everywhere, one all_gather_single per group (not N broadcasts); with
-        overlap_param_gather only issued, for the next forward to wait on (param_gather.py)."""
-        if self.param_gather is not None:
-            self.param_gather.issue(gs)
-            return
-        for g in range(len(self.groups)) if gs is None else gs:
+        parameters everywhere, one all_gather_single per group (not N broadcasts), in place.
+        With overlap_param_gather each is only issued, the last group (the first layers)
+        first, and the next forward waits for it (param_gather.py)."""
+        overlap = self.param_gather
+        order = range(len(self.groups)) if gs is None else gs
+        for g in (order[::-1] if overlap else order):
             group = self.groups[g]
-            group.all_gather(group.flat, group.shard(group.flat))  # in place
+            if overlap:
+                overlap.wait(g)  # one all-gather per bucket in flight (no forward came)
+            work = group.all_gather(group.flat, group.shard(group.flat),
+                                    async_op=overlap is not None)
+            if overlap:
+                overlap.hold(g, work)
 
     def wait_for_params(self) -> None:
         """Every parameter whole and up to date: the all-gathers opt.step() left in flight
@@ -238,36 +241,15 @@ class GradientSync:
         return [g for g in range(len(self.groups)) if g not in sent] + sent
 
     # ------------------------------------------------------------------ lockstep
-    def check_lockstep(self, phase: str, fingerprint: int = 0, detail=None,
-                       why: str | None = None) -> None:
-        """Every rank compares (phase, steps taken, fingerprint); all raise if they differ."""
-        if self.lockstep is not None:
-            self.lockstep.check(phase, self.steps_taken, fingerprint, detail, why)
-
     def before_first_collective(self, phase: str) -> None:
-        """Stages 0-2: the first collective of this step is about to go out (a backward's
-        first bucket, changed buffers, or a step's all-gather when no backward came since
-        the last step): check the ranks are in lockstep first, once a step. A rank that
-        drifted meets the others' check with its own, so the check cannot pair wrongly.
-        The fingerprint is the number of backwards since the last step: under no_sync the
-        first collective is the last micro-batch's, so ranks that accumulated different
-        numbers of micro-batches differ here."""
-        if not self._checked_this_step:
-            self._checked_this_step = True
-            n = self.backwards_since_step
-            self.check_lockstep(phase, n, why=MICRO_BATCHES_DIFFER,  # (said when accumulating)
-                                detail=(lambda: f"{n} backward(s) since its last step") if n
-                                else None)
+        """Stages 0-2: the ranks check they are in lockstep before the first collective of
+        each step (lockstep.py); a different count of backwards is no_sync's mistake."""
+        self.lockstep.once_a_step(phase, why=MICRO_BATCHES_DIFFER)  # (said when accumulating)
 
     def step_starts(self) -> None:
         if self.unsynced:
             refuse_unsynced_step()
         self.before_first_collective("step")
-
-    def step_ends(self) -> None:
-        self.steps_taken += 1
-        self._checked_this_step = False
-        self.backwards_since_step = 0
 
     # ------------------------------------------------------------------ accumulation
     def defers(self) -> bool:

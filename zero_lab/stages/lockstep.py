@@ -86,19 +86,46 @@ class Lockstep:
     def __init__(self, process_group, device: torch.device, enabled: bool = True) -> None:
         self.process_group = process_group
         self.device = device
-        self.world_size = dist.get_world_size(process_group)
-        self.enabled = enabled and self.world_size > 1
+        self.world_size = dist.get_world_size(process_group) if enabled else 1
+        self.enabled = self.world_size > 1
         self.seconds = 0.0  # spent inside check() so far (make bench reports it per step)
+        # What a rank counts, checked or not: optimizer steps taken, backwards since the last
+        # one (micro-batches under no_sync), and whether this step was checked already.
+        self.steps = 0
+        self.backwards = 0
+        self.checked_this_step = False
 
-    def check(self, phase: str, steps: int, fingerprint: int = 0,
-              detail: Callable[[], str | dict] | None = None, why: str | None = None) -> None:
-        """Raise RuntimeError on every rank if the ranks differ. `detail()` says in words
+    def once_a_step(self, phase: str, why: str | None = None) -> None:
+        """Stages 0-2: the first collective of this step is about to go out (a backward's
+        first bucket, changed buffers, or a step's all-gather when no backward came since
+        the last step): check once a step. A rank that drifted meets the others' check with
+        its own, so the check cannot pair wrongly. The fingerprint is the number of
+        backwards since the last step: under no_sync the first collective is the last
+        micro-batch's, so ranks that accumulated different numbers of micro-batches differ
+        here (`why` says so)."""
+        if not self.checked_this_step:
+            self.checked_this_step = True
+            n = self.backwards
+            self.check(phase, n, why=why,
+                       detail=(lambda: f"{n} backward(s) since its last step") if n else None)
+
+    def step_taken(self) -> None:
+        self.steps += 1
+        self.backwards = 0
+        self.checked_this_step = False
+
+    def check(self, phase: str, fingerprint: int = 0,
+              detail: Callable[[], str | dict] | None = None, why: str | None = None,
+              steps: int | None = None) -> None:
+        """Raise RuntimeError on every rank if the ranks differ in (phase, optimizer steps
+        taken: `steps`, by default this rank's count, fingerprint). `detail()` says in words
         what the fingerprint stands for (stage 3: the units in the order they ran; for
         "gather", a dict: the unit's name and the units this forward gathered before it); it
         is called, and gathered from every rank, only when the ranks differ. `why` explains a
         difference in the fingerprint alone (default: stage 3's unit order)."""
         if not self.enabled:
             return
+        steps = self.steps if steps is None else steps
         mine = torch.tensor([PHASES[phase], steps, fingerprint], dtype=torch.int64,
                             device=self.device)
         start = time.perf_counter()

@@ -47,16 +47,12 @@ class ParamGather:
         self.guarded = [[p for p in group.params if type(p) is GuardedParameter]
                         for group in groups]
 
-    def issue(self, gs: list[int] | None = None) -> None:
-        """Start the all-gathers of groups `gs` (all, by default), the last group first: it
-        holds the first layers, which the next forward needs first."""
-        for g in sorted(range(len(self.groups)) if gs is None else gs, reverse=True):
-            self.wait(g)  # one gather per bucket in flight (a step with no forward between)
-            group = self.groups[g]
-            self.pending[g] = group.all_gather(group.flat, group.shard(group.flat),
-                                               async_op=True)
-            for p in self.guarded[g]:
-                p.zero_lab_state = IN_FLIGHT
+    def hold(self, g: int, work) -> None:
+        """Bucket g's all-gather was issued (gradient_sync.all_gather_params): its parameters
+        are in flight until `wait(g)`."""
+        self.pending[g] = work
+        for p in self.guarded[g]:
+            p.zero_lab_state = IN_FLIGHT
 
     def wait(self, g: int) -> None:
         """Bucket g's parameters are whole once this returns."""

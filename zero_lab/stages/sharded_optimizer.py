@@ -228,7 +228,7 @@ class ShardedOptimizer(torch.optim.Optimizer):
         else:
             self._update(range(len(self.targets)))
             self.sync.after_step()  # stages 1-2: all-gather every rank's updated slice
-        self.sync.step_ends()
+        self.sync.lockstep.step_taken()
 
     def _update(self, groups) -> None:
         """One step of the torch optimizer on the pieces of `groups` (a torch optimizer skips

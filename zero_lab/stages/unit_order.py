@@ -75,16 +75,14 @@ class UnitOrder:
         a later step, hangs or aborts there unless check_order=True, a debug aid."""
         if self.check_order or self._forward_record is not None:
             checker = sync.lockstep
-            if self.check_order and not (checker is not None and checker.enabled):
+            if self.check_order and not checker.enabled:
                 if self._order_lockstep is None:  # check_lockstep=False: still checks
                     self._order_lockstep = Lockstep(None, self.units[u].local.device)
                 checker = self._order_lockstep
-            if checker is not None:
-                gathers = self.gathers  # None outside a forward (check_order's in backward)
-                checker.check("gather", sync.steps_taken, u, detail=lambda: {
-                    "unit": self.units[u].name,
-                    "after": None if gathers is None else [self.units[g].name
-                                                           for g in gathers]})
+            gathers = self.gathers  # None outside a forward (check_order's in backward)
+            checker.check("gather", u, steps=sync.lockstep.steps, detail=lambda: {
+                "unit": self.units[u].name,
+                "after": None if gathers is None else [self.units[g].name for g in gathers]})
         if self.gathers is not None:
             self.gathers.append(u)
 
@@ -99,8 +97,8 @@ class UnitOrder:
             unused = [u for u in range(len(self.units)) if u not in order]
             sync.handover_order = order[::-1] + unused  # reduce-scatters: backward's order
         gathers, self.gathers = self.gathers or [], None
-        n, syncs = sync.backwards_since_step, sync.requires_sync  # (accumulation.py)
-        sync.check_lockstep("forward", forward_fingerprint(gathers, n, syncs),
+        n, syncs = sync.lockstep.backwards, sync.requires_sync  # (accumulation.py)
+        sync.lockstep.check("forward", forward_fingerprint(gathers, n, syncs),
                             detail=lambda: describe_forward(
                                 [self.units[u].name for u in gathers], n, syncs),
                             why=FORWARDS_DIFFER)
