@@ -14,8 +14,6 @@ from zero_lab.launch.paths import REPO_ROOT
 
 WORLD_CASES = REPO_ROOT / "tests" / "workers" / "world_cases.py"
 WORLD_SIZES = (1, 2, 3)  # of stages 0-3 (tests/workers/world_cases.py)
-# The expert findings measured on 2 ranks (tests/test_finding_*.py), one launch for all.
-FINDING_CASES = REPO_ROOT / "tests" / "workers" / "finding_cases.py"
 
 _launched: dict[tuple[Path, int], tuple[dict, ...] | Exception] = {}
 
@@ -43,9 +41,9 @@ def case_reports(part: str, nproc: int) -> tuple[dict, ...]:
 
 
 def finding_reports(part: str) -> tuple[dict, ...]:
-    """Every rank's report of `part` (e.g. "frozen") from the one launch of
-    tests/workers/finding_cases.py on 2 gloo ranks that the finding tests share."""
-    return tuple(rep[part] for rep in worker_reports(FINDING_CASES, 2))
+    """Every rank's report of `part` (e.g. "frozen") of tests/workers/finding_cases.py, run in
+    the launch of world_cases.py on 2 gloo ranks."""
+    return tuple(rep[part] for rep in case_reports("findings", 2))
 
 
 def stage_case_reports(nproc: int) -> tuple[dict, ...]:

@@ -11,7 +11,7 @@ root beside a trainable gain, a trainable head), stage 3 on 2 gloo ranks, 3 step
 - one step's all-gathers carry the frozen parameters (twice a unit: forward and backward)
   and its reduce-scatters do not (no gradient, no optimizer state);
 - zero_lab.checkpoint saves them whole and loads each rank's piece back.
-One launch, shared with tests/test_precision_masters.py.
+In the launch of world_cases.py on 2 ranks, with tests/test_precision_masters.py's cases.
 """
 
 from __future__ import annotations
@@ -19,11 +19,8 @@ from __future__ import annotations
 import math
 
 import pytest
-from common import worker_reports
+from common import case_reports
 
-from zero_lab.launch.paths import REPO_ROOT
-
-WORKER = REPO_ROOT / "tests" / "workers" / "masters_frozen_cases.py"
 N = 2
 D = 33
 FROZEN = D * D + D  # a frozen Linear(33, 33): weight and bias
@@ -37,7 +34,7 @@ def padded(numel: int) -> int:
 
 @pytest.fixture(scope="module")
 def reports() -> tuple[dict, ...]:
-    return tuple(rep["frozen_stage3"] for rep in worker_reports(WORKER, N))
+    return tuple(rep["frozen_stage3"] for rep in case_reports("masters_frozen", N))
 
 
 def test_frozen_parameters_rest_as_slices(reports):

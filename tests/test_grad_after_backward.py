@@ -3,8 +3,9 @@ contract, as with DDP and FSDP2: clipping, logging and hooks read `.grad`), at s
 under every precision policy; and shard() refuses a model torch already wrapped for data
 parallelism (issue 47, items 10 and 11).
 
-One launch of tests/workers/grad_after_backward.py on 2 gloo ranks: CS336's FSDP toy (an
-embedding, RMSNorms of its own, Linears; stage 3 cut as CS336's FSDP cuts it, the norms
+tests/workers/grad_after_backward.py, in the launch of world_cases.py on 2 gloo ranks:
+CS336's FSDP toy (an embedding, RMSNorms of its own, Linears; stage 3 cut as CS336's FSDP
+cuts it, the norms
 left to the root), fp32, bf16 and fp16, norms kept in fp32 or not, reduce_dtype=float32 or
 not, one backward and two, stage 3 with root_params "shard" and "replicate": 90 cases.
 """
@@ -12,11 +13,8 @@ not, one backward and two, stage 3 with root_params "shard" and "replicate": 90 
 from __future__ import annotations
 
 import pytest
-from common import worker_reports
+from common import case_reports
 
-from zero_lab.launch.paths import REPO_ROOT
-
-WORKER = REPO_ROOT / "tests" / "workers" / "grad_after_backward.py"
 NPROC = 2
 PARAMS = ["embedding.weight", "norm1.weight", "linear1.weight", "norm2.weight",
           "linear2.weight", "lm_head.weight"]
@@ -26,7 +24,7 @@ SHAPES = {"norm1.weight": [9], "norm2.weight": [13]}
 
 @pytest.fixture(scope="module")
 def reports() -> tuple[dict, ...]:
-    return worker_reports(WORKER, NPROC)
+    return case_reports("grad_after_backward", NPROC)
 
 
 def held_whole(case: dict) -> list[str]:

@@ -81,21 +81,25 @@ def test_notebook_is_on_the_readme_course_map(path):
     assert f"notebooks/{path.name}" in (ROOT / "README.md").read_text()
 
 
-# A stand-in for .venv/bin/python under `make test`: it says which run it is (pytest on tests/
-# or nbval), leaves a mark, waits up to 5 s for the other run's mark, and exits with the status
-# named for its run in $FAKE_STATUS ("pytest=1 nbval=0").
+# A stand-in for .venv/bin/python under `make test`: it says which run it is (pytest on tests/,
+# nbval, or the waiting tests), leaves a mark, waits up to 5 s for the other runs' marks, and
+# exits with the status named for its run in $FAKE_STATUS ("pytest=1 nbval=0 waiting=0").
 FAKE_PYTHON = """#!/bin/sh
-case "$*" in *--nbval-lax*) me=nbval other=pytest;; *) me=pytest other=nbval;; esac
+case "$*" in *--nbval-lax*) me=nbval;; *"pytest tests "*) me=pytest;; *) me=waiting;; esac
 touch "$FAKE_MARKS/$me"
-i=0; while [ ! -e "$FAKE_MARKS/$other" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
-[ -e "$FAKE_MARKS/$other" ] && seen=yes || seen=no
-echo "$me ran, saw $other running: $seen"
+for other in pytest nbval waiting; do
+  [ $other = $me ] && continue
+  i=0; while [ ! -e "$FAKE_MARKS/$other" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
+  [ -e "$FAKE_MARKS/$other" ] && seen=yes || seen=no
+  echo "$me ran, saw $other running: $seen"
+done
 echo "$me args: $*"
 for kv in $FAKE_STATUS; do [ "${kv%%=*}" = "$me" ] && exit "${kv#*=}"; done
 """
+LANES = ("pytest", "nbval", "waiting")
 
 
-def run_make_test(makefile: Path, tmp_path: Path, pytest_status: int, nbval_status: int):
+def run_make_test(makefile: Path, tmp_path: Path, statuses: tuple[int, int, int]):
     """`make test` of `makefile` with stand-ins for ruff and the venv's python: (exit status,
     what it printed)."""
     venv, marks = tmp_path / "venv", tmp_path / "marks"
@@ -109,10 +113,12 @@ def run_make_test(makefile: Path, tmp_path: Path, pytest_status: int, nbval_stat
     # A make of its own: under `make test`, MAKEFLAGS would hand it the outer make's command-line
     # variables (PY=... would run the real pytest on tests/ again, and again).
     env = {k: v for k, v in os.environ.items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    env |= {"FAKE_MARKS": str(marks), "FAKE_STATUS": f"pytest={pytest_status} nbval={nbval_status}"}
+    env |= {"FAKE_MARKS": str(marks),
+            "FAKE_STATUS": " ".join(f"{lane}={s}" for lane, s in zip(LANES, statuses, strict=True))}
     make = subprocess.Popen(
         ["make", "-s", "-f", str(makefile), "-o", f"{venv}/.installed", "test", f"VENV={venv}",
-         f"NBVAL_LOG={tmp_path / 'nbval.log'}", "ENSURE_CHROMIUM=true",
+         f"NBVAL_LOG={tmp_path / 'nbval.log'}", f"WAITING_LOG={tmp_path / 'waiting.log'}",
+         "ENSURE_CHROMIUM=true",
          "ENSURE_BWRAP=true"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         start_new_session=True)  # a group of its own: on a timeout, all of it is stopped
@@ -126,30 +132,40 @@ def run_make_test(makefile: Path, tmp_path: Path, pytest_status: int, nbval_stat
 
 
 def make_test_contract(makefile: Path, tmp_path: Path) -> list[str]:
-    """What `make test` of `makefile` gets wrong: pytest and nbval must run at the same time,
-    nbval's output come after pytest's, the browser test run in nbval's process and not in
-    pytest's, and the target fail when either fails (pytest's 5,
-    nothing collected, is no failure). Stops at the first case it gets wrong."""
-    for pytest_status, nbval_status, passes in [(0, 0, True), (1, 0, False), (0, 1, False),
-                                                (5, 5, True), (5, 2, False), (2, 5, False)]:
-        status, shown = run_make_test(makefile, tmp_path, pytest_status, nbval_status)
-        case = f"pytest {pytest_status}, nbval {nbval_status}"
+    """What `make test` of `makefile` gets wrong: pytest, nbval and the waiting tests must run at
+    the same time, nbval's output come after pytest's and the waiting tests' last, the browser
+    test run in nbval's process and not in pytest's, the waiting tests in their own process
+    only, and the target fail when any fails (pytest's 5, nothing collected, is no failure).
+    Stops at the first case it gets wrong."""
+    for statuses, passes in [((0, 0, 0), True), ((1, 0, 0), False), ((0, 1, 0), False),
+                             ((0, 0, 1), False), ((5, 5, 5), True), ((5, 2, 5), False),
+                             ((2, 5, 5), False), ((5, 5, 2), False)]:
+        status, shown = run_make_test(makefile, tmp_path, statuses)
+        case = ", ".join(f"{lane} {s}" for lane, s in zip(LANES, statuses, strict=True))
         if (status == 0) != passes:
             return [f"{case}: make exit {status}", shown]
-        if "pytest ran, saw nbval running: yes" not in shown or \
-                "nbval ran, saw pytest running: yes" not in shown:
+        if any(f"{me} ran, saw {other} running: yes" not in shown
+               for me in LANES for other in LANES if other != me):
             return [f"{case}: not at the same time", shown]
-        if not 0 <= shown.find("pytest ran") < shown.find("nbval ran"):
-            return [f"{case}: nbval's lines not after pytest's", shown]
+        if not 0 <= shown.find("pytest ran") < shown.find("nbval ran") < \
+                shown.find("waiting ran"):
+            return [f"{case}: the logs not in the order pytest, nbval, waiting", shown]
         # The browser test runs once, in nbval's process (it balances the two: Makefile).
-        args = dict(line.split(" args: ", 1) for line in shown.splitlines() if " args: " in line)
-        if "tests/test_browser.py" not in args.get("nbval", "").split() or \
-                "--ignore=tests/test_browser.py" not in args.get("pytest", "").split():
+        args = {me: set(line.split(" args: ", 1)[1].split()) for line in shown.splitlines()
+                for me in LANES if line.startswith(f"{me} args: ")}
+        if "tests/test_browser.py" not in args.get("nbval", ()) or \
+                "--ignore=tests/test_browser.py" not in args.get("pytest", ()):
             return [f"{case}: the browser test is not run beside pytest, once", shown]
+        # A waiting test runs once, in the waiting process.
+        if "tests/test_grading_hangs.py" not in args.get("waiting", ()) or \
+                "--ignore=tests/test_grading_hangs.py" not in args.get("pytest", ()) or \
+                "tests/test_grading_hangs.py" in args.get("nbval", ()):
+            return [f"{case}: the waiting tests are not run in a process of their own, once",
+                    shown]
     return []
 
 
-def test_make_test_runs_pytest_beside_nbval_and_fails_if_either_fails(tmp_path):
+def test_make_test_runs_pytest_nbval_and_the_waiting_tests_at_once_and_fails_if_any_does(tmp_path):
     assert make_test_contract(ROOT / "Makefile", tmp_path) == []
 
 
@@ -157,7 +173,13 @@ def test_make_test_runs_pytest_beside_nbval_and_fails_if_either_fails(tmp_path):
     ("& nbval=$$!;", "; nbval=$$!;"),                              # nbval first, then pytest
     ("[ $$tests -eq 0 ] && [ $$notebooks -eq 0 ]", "[ $$tests -eq 0 ]"),  # nbval's failure lost
     ("wait $$nbval; notebooks=$$?;", "notebooks=0;"),               # nbval not waited for
-    (" tests $(addprefix --ignore=,$(BESIDE_NBVAL))", " tests"),  # the browser test twice
+    ("$(PY) -m pytest tests $(NOT_PYTESTS_LANE) --durations",
+     "$(PY) -m pytest tests --durations"),                         # the browser test twice
+    ("& waiting=$$!;", "; waiting=$$!;"),                           # the waiting tests first
+    ("wait $$waiting; waited=$$?;", "waited=0;"),                   # the waiting tests unwaited
+    ("&& [ $$waited -eq 0 ]", ""),                                  # their failure lost
+    ("$(addprefix --ignore=,$(BESIDE_NBVAL) $(WAITING_TESTS))",
+     "$(addprefix --ignore=,$(BESIDE_NBVAL))"),                      # the waiting tests twice
 ])
 def test_a_make_test_that_breaks_the_contract_is_caught(tmp_path, mutant):
     text = (ROOT / "Makefile").read_text()

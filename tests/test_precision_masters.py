@@ -18,16 +18,12 @@ tests/test_frozen_stage3.py.
 from __future__ import annotations
 
 import pytest
-from common import worker_reports
-
-from zero_lab.launch.paths import REPO_ROOT
-
-WORKER = REPO_ROOT / "tests" / "workers" / "masters_frozen_cases.py"
+from common import case_reports
 
 
 @pytest.fixture(scope="module")
 def reports() -> tuple[dict, ...]:
-    return worker_reports(WORKER, 2)
+    return case_reports("masters_frozen", 2)
 
 
 def test_fp32_reduce_steps_on_the_fp32_average(reports):

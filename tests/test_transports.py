@@ -1,21 +1,18 @@
 """The seam for a new collective (zero_lab/collectives/transports.py, issue 51): a Transport
 registered under a name carries every all-gather and reduce-scatter of stages 1-3 once
 `shard(..., transport=name)` names it, and changes nothing else (same weights as the direct
-exchange it wraps). Launch: tests/workers/transport_cases.py on 2 gloo ranks."""
+exchange it wraps). Cases: tests/workers/transport_cases.py, in the launch of world_cases.py
+on 2 gloo ranks."""
 
 from __future__ import annotations
 
 import pytest
-from common import worker_reports
-
-from zero_lab.launch.paths import REPO_ROOT
-
-CASES = REPO_ROOT / "tests" / "workers" / "transport_cases.py"
+from common import case_reports
 
 
 @pytest.fixture(scope="module")
 def reports() -> tuple[dict, ...]:
-    return worker_reports(CASES, 2)
+    return case_reports("transports", 2)
 
 
 @pytest.mark.parametrize("stage", (1, 2, 3))

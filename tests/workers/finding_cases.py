@@ -138,9 +138,15 @@ def held_gradient(rank: int, world: int) -> dict:
 PARTS = {"frozen": frozen, "offload": offload, "held_gradient": held_gradient}
 
 
+def run(rank: int, world: int) -> dict:
+    """Every part (tests/workers/world_cases.py runs them at N = 2)."""
+    return {key: part(rank, world) for key, part in PARTS.items()}
+
+
 def main() -> None:
+    """This worker alone, to debug it: torchrun(this file, nproc=2)."""
     info = init_worker()
-    report({key: run(info.rank, info.world_size) for key, run in PARTS.items()})
+    report(run(info.rank, info.world_size))
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ from __future__ import annotations
 import copy
 
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from zero_lab.launch import init_worker, report
@@ -210,7 +209,11 @@ def wrapped() -> dict[str, str]:
     }
 
 
-if __name__ == "__main__":
-    init_worker()
-    rank, world = dist.get_rank(), dist.get_world_size()
-    report({"grads": grads(rank, world), "wrapped": wrapped()})
+def run(rank: int, world: int) -> dict:
+    """Both parts (tests/workers/world_cases.py runs them at N = 2)."""
+    return {"grads": grads(rank, world), "wrapped": wrapped()}
+
+
+if __name__ == "__main__":  # this worker alone, to debug it: torchrun(this file, nproc=2)
+    info = init_worker()
+    report(run(info.rank, info.world_size))

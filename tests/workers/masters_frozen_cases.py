@@ -269,9 +269,15 @@ PARTS = {"fp32_reduce": fp32_reduce, "round_trip": round_trip, "reference_gap": 
          "frozen_stage3": frozen_stage3}
 
 
+def run(rank: int, world: int) -> dict:
+    """Every part (tests/workers/world_cases.py runs them at N = 2)."""
+    return {key: part(rank, world) for key, part in PARTS.items()}
+
+
 def main() -> None:
+    """This worker alone, to debug it: torchrun(this file, nproc=2)."""
     info = init_worker()
-    report({key: run(info.rank, info.world_size) for key, run in PARTS.items()})
+    report(run(info.rank, info.world_size))
 
 
 if __name__ == "__main__":

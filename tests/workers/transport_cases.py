@@ -5,14 +5,12 @@ it must give the direct exchange's weights, bit for bit."""
 
 from __future__ import annotations
 
-import os
-
 import torch
 import torch.distributed as dist
 from torch import nn
 
 from zero_lab.collectives import transports
-from zero_lab.launch import report
+from zero_lab.launch import init_worker, report
 from zero_lab.stages import full_state_dict, shard
 
 CALLS: list[str] = []
@@ -40,18 +38,17 @@ def train(stage: int, transport: str) -> dict:
     return {"calls": calls, "weights": {k: v.flatten().tolist() for k, v in weights.items()}}
 
 
-def main() -> None:
+def run(_rank: int, _world: int) -> dict:
+    """Every case (tests/workers/world_cases.py runs it at N = 2)."""
     direct = transports.TRANSPORTS["direct"]
     transports.register(transports.Transport(
         "counted", counted("all_gather", direct.all_gather),
         counted("reduce_scatter", direct.reduce_scatter),
         counted("all_reduce", direct.all_reduce)))
-    report({f"{stage} {transport}": train(stage, transport)
-            for stage in (1, 2, 3) for transport in ("counted", "direct")})
+    return {f"{stage} {transport}": train(stage, transport)
+            for stage in (1, 2, 3) for transport in ("counted", "direct")}
 
 
-if __name__ == "__main__":
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    dist.init_process_group("gloo")
-    main()
-    dist.destroy_process_group()
+if __name__ == "__main__":  # this part alone, to debug it: torchrun(this file, nproc=2)
+    info = init_worker()
+    report(run(info.rank, info.world_size))

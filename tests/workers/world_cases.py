@@ -1,7 +1,8 @@
 """One launch per world size for the case workers: the collectives (N > 1), stages 0-2,
 stage 3, the knobs (recompute and precision, accumulation, hybrid sharding at N = 4), the
 contract's edges, habits and stage-3 reads, and the plain reading layer beside shard()
-(N = 2, 3), each reported under its own key.
+(N = 2, 3); at N = 2 also the collective seam, .grad after backward, fp32 masters and frozen
+parameters, and the expert findings; each reported under its own key.
 
 A launch costs seconds before a rank runs anything (torchrun's agent and every rank import
 torch; 8-12 s at N = 4 on two cores): sharing it saves all of them but one. The parts run in
@@ -21,13 +22,17 @@ import accumulation_cases
 import collectives_cases
 import contract_cases
 import contract_habits
+import finding_cases
+import grad_after_backward
 import hsdp_cases
+import masters_frozen_cases
 import overlap_cases
 import plain_cases
 import recompute_cases
 import reshard_int_cases
 import stage3_reads
 import stage_cases
+import transport_cases
 import zero3_cases
 
 from zero_lab.course import step_record
@@ -47,6 +52,13 @@ PARTS = {  # key: (the part's run(rank, world), the smallest world size it runs 
     "plain": (plain_cases.run, 2, 3),  # zero_lab/plain beside shard() and one process
     "step_record": (step_record.record, 2, 3),  # notebook 03's step view: one step, phase by phase
     "contract": (contract_cases.run, 2, 3),
+    # at N = 2 only: the collective seam, what .grad holds after backward, fp32 masters and
+    # frozen parameters, the expert findings measured against FSDP2 (each was a launch of its
+    # own, about 4 s of a CI run's CPU)
+    "transports": (transport_cases.run, 2, 2),
+    "grad_after_backward": (grad_after_backward.run, 2, 2),
+    "masters_frozen": (masters_frozen_cases.run, 2, 2),
+    "findings": (finding_cases.run, 2, 2),
     # before contract_habits: its lockstep case raises inside opt.step() on the last rank
     # only; that optimizer's step never ends (stages/at_rest.py forgets it once it is gone),
     # and while it lives a read at rest under no_grad passes there while the other ranks
