@@ -63,30 +63,32 @@ figures: setup ## run, then copy the figures the notebooks saved into figures/
 BROWSER_TESTS := tests/test_browser.py
 BROWSER_NOTEBOOKS := notebooks/00_setup.ipynb notebooks/01_memory_accounting.ipynb
 NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*.ipynb))
-# Tests that mostly wait (a launch held until its time limit, ranks asleep or hung on purpose,
-# kernels and make runs started and waited for) run in a third process beside the two, where
-# their waits overlap the others' work instead of adding to one lane's time. Measured alone on
-# 2 idle cores (wall, busy CPU of the whole machine): test_grading_hangs 25.7 s, 9.8 s;
+# A third process runs beside the two (`make test` below): the tests that mostly wait (a launch
+# held until its time limit, ranks asleep or hung on purpose, kernels and make runs started and
+# waited for), whose waits then overlap the others' work instead of lengthening a lane, and the
+# grader's tests on rank exercises, whose work fills those waits. Measured alone on 2 idle
+# cores (wall, busy CPU of the whole machine): test_grading_hangs 25.7 s, 9.8 s;
 # test_launch_orphans 21.0 s, 9.5 s; the hang test 17.1 s, 8.0 s; test_course 31.6 s, 17.8 s;
-# test_packaging 8.4 s, 3.1 s. Files go whole; a test of a file that stays is named here and
-# deselected from pytest's lane.
+# test_packaging 8.4 s, 3.1 s; test_grade_batch_ranks 27.1 s, 46.2 s; test_grading_forged
+# 18.6 s, 29.8 s. With the waiting tests alone there, a clean-clone CI run took 731 s, its
+# cores 85% busy (pytest 685 s, nbval 675 s, the third 115 s). Files go whole; a test of a
+# file that stays is named in SIDE_NODES and deselected from pytest's lane.
 WAITING_TESTS := tests/test_grading_hangs.py tests/test_launch_orphans.py tests/test_course.py \
     tests/test_packaging.py
-WAITING_NODES := tests/test_launch.py::test_hang_is_killed_soon_after_timeout
-WAITING_LOG ?= runs/waiting.log
-# Notebook 10's test, which runs that notebook's cells on a launch of its own, and the grader's
-# tests on rank exercises run in nbval's process: at d14f231 pytest took 673 s beside nbval's
-# 576 s, the cores 80% busy.
-NOTEBOOK_TESTS := tests/test_nb10_at_work.py
 RANK_GRADING_TESTS := tests/test_grade_batch_ranks.py tests/test_grading_sandbox_ranks.py \
-    tests/test_grading_forged.py \
-    tests/test_grading_seeds.py
+    tests/test_grading_forged.py tests/test_grading_seeds.py
+SIDE_TESTS := $(WAITING_TESTS) $(RANK_GRADING_TESTS)
+SIDE_NODES := tests/test_launch.py::test_hang_is_killed_soon_after_timeout
+SIDE_LOG ?= runs/side.log
+# Notebook 10's test, which runs that notebook's cells on a launch of its own, runs in nbval's
+# process: at d14f231 pytest took 673 s beside nbval's 576 s, the cores 80% busy.
+NOTEBOOK_TESTS := tests/test_nb10_at_work.py
 # At 9b079a9 (OMP_WAIT_POLICY=PASSIVE below) pytest took 644 s beside nbval's 590 s: the
 # practice script's test (~25 s) moves over too.
 PRACTICE_TESTS := tests/test_fsdp2_script.py
-BESIDE_NBVAL := $(BROWSER_TESTS) $(NOTEBOOK_TESTS) $(RANK_GRADING_TESTS) $(PRACTICE_TESTS)
-NOT_PYTESTS_LANE := $(addprefix --ignore=,$(BESIDE_NBVAL) $(WAITING_TESTS)) \
-    $(addprefix --deselect=,$(WAITING_NODES))
+BESIDE_NBVAL := $(BROWSER_TESTS) $(NOTEBOOK_TESTS) $(PRACTICE_TESTS)
+NOT_PYTESTS_LANE := $(addprefix --ignore=,$(BESIDE_NBVAL) $(SIDE_TESTS)) \
+    $(addprefix --deselect=,$(SIDE_NODES))
 
 # pytest and nbval run at the same time, one process each: nbval's work fills the cores while
 # pytest waits on launches and timeouts, instead of starting after it. The browser test runs
@@ -94,8 +96,8 @@ NOT_PYTESTS_LANE := $(addprefix --ignore=,$(BESIDE_NBVAL) $(WAITING_TESTS)) \
 # took 655 s and nbval 492 s, so its ~80 s make the two end together. nbval writes to
 # NBVAL_LOG, shown when pytest ends, so neither's lines break the other's (`tail -f
 # runs/nbval.log` to watch it).
-# The waiting tests run in a third process beside both (above), their output in WAITING_LOG,
-# shown last. Any of the three failing fails `make test`. What they could write is kept apart:
+# The side tests run in a third process beside both (above), their output in SIDE_LOG, shown
+# last. Any of the three failing fails `make test`. What they could write is kept apart:
 # the tests save figures in a folder of their own (tests/conftest.py), %%rank_script replaces
 # a worker script whole, and no two notebooks save the same one (tests/test_notebook_cells.py).
 # pytest exits 5 when it collects nothing; that is not a failure of the code under test.
@@ -116,25 +118,25 @@ test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 	$(VENV)/bin/ruff check zero_lab tests
 	@$(ENSURE_CHROMIUM)
 	@$(ENSURE_BWRAP)
-	@mkdir -p $(dir $(NBVAL_LOG)) $(dir $(WAITING_LOG))
+	@mkdir -p $(dir $(NBVAL_LOG)) $(dir $(SIDE_LOG))
 	@if command -v chromium >/dev/null 2>&1; then \
 	    echo "nbval: $(BROWSER_NOTEBOOKS) run in $(BROWSER_TESTS)"; \
 	    set -- $(NBVAL_BESIDE_BROWSER); else set -- notebooks/; fi; \
 	echo "$(PY) -m pytest --nbval-lax -p no:cacheprovider $$* $(BESIDE_NBVAL) >$(NBVAL_LOG) (beside pytest)"; \
 	$(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=12 "$$@" $(BESIDE_NBVAL) >$(NBVAL_LOG) 2>&1 & nbval=$$!; \
-	echo "$(PY) -m pytest $(WAITING_TESTS) $(WAITING_NODES) >$(WAITING_LOG) (beside both)"; \
-	$(PY) -m pytest -p no:cacheprovider --durations=8 $(WAITING_TESTS) $(WAITING_NODES) >$(WAITING_LOG) 2>&1 & waiting=$$!; \
-	trap 'kill $$nbval $$waiting 2>/dev/null' INT TERM; \
+	echo "$(PY) -m pytest $(SIDE_TESTS) $(SIDE_NODES) >$(SIDE_LOG) (beside both)"; \
+	$(PY) -m pytest -p no:cacheprovider --durations=8 $(SIDE_TESTS) $(SIDE_NODES) >$(SIDE_LOG) 2>&1 & side=$$!; \
+	trap 'kill $$nbval $$side 2>/dev/null' INT TERM; \
 	echo "$(PY) -m pytest tests $(NOT_PYTESTS_LANE)"; \
 	$(PY) -m pytest tests $(NOT_PYTESTS_LANE) --durations=25; tests=$$?; \
-	wait $$nbval; notebooks=$$?; wait $$waiting; waited=$$?; \
+	wait $$nbval; notebooks=$$?; wait $$side; sided=$$?; \
 	echo "============= nbval and the browser test, run beside pytest ($(NBVAL_LOG)) ============="; \
 	cat $(NBVAL_LOG); \
-	echo "============= the waiting tests, run beside both ($(WAITING_LOG)) ============="; \
-	cat $(WAITING_LOG); \
-	[ $$tests -eq 5 ] && tests=0; [ $$notebooks -eq 5 ] && notebooks=0; [ $$waited -eq 5 ] && waited=0; \
-	echo "make test: pytest exit status $$tests, nbval exit status $$notebooks, waiting tests exit status $$waited"; \
-	[ $$tests -eq 0 ] && [ $$notebooks -eq 0 ] && [ $$waited -eq 0 ]
+	echo "============= the side tests, run beside both ($(SIDE_LOG)) ============="; \
+	cat $(SIDE_LOG); \
+	[ $$tests -eq 5 ] && tests=0; [ $$notebooks -eq 5 ] && notebooks=0; [ $$sided -eq 5 ] && sided=0; \
+	echo "make test: pytest exit status $$tests, nbval exit status $$notebooks, side tests exit status $$sided"; \
+	[ $$tests -eq 0 ] && [ $$notebooks -eq 0 ] && [ $$sided -eq 0 ]
 
 # A check that fails on a busy machine is a defect: soak runs each notebook RUNS times under
 # nbval with LOAD CPU-bound processes beside it and prints the pass count per notebook.

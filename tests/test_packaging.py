@@ -82,12 +82,12 @@ def test_notebook_is_on_the_readme_course_map(path):
 
 
 # A stand-in for .venv/bin/python under `make test`: it says which run it is (pytest on tests/,
-# nbval, or the waiting tests), leaves a mark, waits up to 5 s for the other runs' marks, and
-# exits with the status named for its run in $FAKE_STATUS ("pytest=1 nbval=0 waiting=0").
+# nbval, or the side tests), leaves a mark, waits up to 5 s for the other runs' marks, and
+# exits with the status named for its run in $FAKE_STATUS ("pytest=1 nbval=0 side=0").
 FAKE_PYTHON = """#!/bin/sh
-case "$*" in *--nbval-lax*) me=nbval;; *"pytest tests "*) me=pytest;; *) me=waiting;; esac
+case "$*" in *--nbval-lax*) me=nbval;; *"pytest tests "*) me=pytest;; *) me=side;; esac
 touch "$FAKE_MARKS/$me"
-for other in pytest nbval waiting; do
+for other in pytest nbval side; do
   [ $other = $me ] && continue
   i=0; while [ ! -e "$FAKE_MARKS/$other" ] && [ $i -lt 50 ]; do sleep 0.1; i=$((i + 1)); done
   [ -e "$FAKE_MARKS/$other" ] && seen=yes || seen=no
@@ -96,7 +96,7 @@ done
 echo "$me args: $*"
 for kv in $FAKE_STATUS; do [ "${kv%%=*}" = "$me" ] && exit "${kv#*=}"; done
 """
-LANES = ("pytest", "nbval", "waiting")
+LANES = ("pytest", "nbval", "side")
 
 
 def run_make_test(makefile: Path, tmp_path: Path, statuses: tuple[int, int, int]):
@@ -117,7 +117,7 @@ def run_make_test(makefile: Path, tmp_path: Path, statuses: tuple[int, int, int]
             "FAKE_STATUS": " ".join(f"{lane}={s}" for lane, s in zip(LANES, statuses, strict=True))}
     make = subprocess.Popen(
         ["make", "-s", "-f", str(makefile), "-o", f"{venv}/.installed", "test", f"VENV={venv}",
-         f"NBVAL_LOG={tmp_path / 'nbval.log'}", f"WAITING_LOG={tmp_path / 'waiting.log'}",
+         f"NBVAL_LOG={tmp_path / 'nbval.log'}", f"SIDE_LOG={tmp_path / 'side.log'}",
          "ENSURE_CHROMIUM=true",
          "ENSURE_BWRAP=true"],
         cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
@@ -132,10 +132,10 @@ def run_make_test(makefile: Path, tmp_path: Path, statuses: tuple[int, int, int]
 
 
 def make_test_contract(makefile: Path, tmp_path: Path) -> list[str]:
-    """What `make test` of `makefile` gets wrong: pytest, nbval and the waiting tests must run at
-    the same time, nbval's output come after pytest's and the waiting tests' last, the browser
-    test run in nbval's process and not in pytest's, the waiting tests in their own process
-    only, and the target fail when any fails (pytest's 5, nothing collected, is no failure).
+    """What `make test` of `makefile` gets wrong: pytest, nbval and the side tests must run at the
+    same time, nbval's output come after pytest's and the side tests' last, the browser test
+    run in nbval's process and not in pytest's, the side tests in their own process only, and
+    the target fail when any fails (pytest's 5, nothing collected, is no failure).
     Stops at the first case it gets wrong."""
     for statuses, passes in [((0, 0, 0), True), ((1, 0, 0), False), ((0, 1, 0), False),
                              ((0, 0, 1), False), ((5, 5, 5), True), ((5, 2, 5), False),
@@ -148,24 +148,23 @@ def make_test_contract(makefile: Path, tmp_path: Path) -> list[str]:
                for me in LANES for other in LANES if other != me):
             return [f"{case}: not at the same time", shown]
         if not 0 <= shown.find("pytest ran") < shown.find("nbval ran") < \
-                shown.find("waiting ran"):
-            return [f"{case}: the logs not in the order pytest, nbval, waiting", shown]
+                shown.find("side ran"):
+            return [f"{case}: the logs not in the order pytest, nbval, side", shown]
         # The browser test runs once, in nbval's process (it balances the two: Makefile).
         args = {me: set(line.split(" args: ", 1)[1].split()) for line in shown.splitlines()
                 for me in LANES if line.startswith(f"{me} args: ")}
         if "tests/test_browser.py" not in args.get("nbval", ()) or \
                 "--ignore=tests/test_browser.py" not in args.get("pytest", ()):
             return [f"{case}: the browser test is not run beside pytest, once", shown]
-        # A waiting test runs once, in the waiting process.
-        if "tests/test_grading_hangs.py" not in args.get("waiting", ()) or \
-                "--ignore=tests/test_grading_hangs.py" not in args.get("pytest", ()) or \
-                "tests/test_grading_hangs.py" in args.get("nbval", ()):
-            return [f"{case}: the waiting tests are not run in a process of their own, once",
-                    shown]
+        # A side test runs once, in the side process.
+        if any(test not in args.get("side", ()) or f"--ignore={test}" not in args.get("pytest", ())
+               or test in args.get("nbval", ())
+               for test in ("tests/test_grading_hangs.py", "tests/test_grade_batch_ranks.py")):
+            return [f"{case}: the side tests are not run in a process of their own, once", shown]
     return []
 
 
-def test_make_test_runs_pytest_nbval_and_the_waiting_tests_at_once_and_fails_if_any_does(tmp_path):
+def test_make_test_runs_pytest_nbval_and_the_side_tests_at_once_and_fails_if_any_does(tmp_path):
     assert make_test_contract(ROOT / "Makefile", tmp_path) == []
 
 
@@ -175,11 +174,11 @@ def test_make_test_runs_pytest_nbval_and_the_waiting_tests_at_once_and_fails_if_
     ("wait $$nbval; notebooks=$$?;", "notebooks=0;"),               # nbval not waited for
     ("$(PY) -m pytest tests $(NOT_PYTESTS_LANE) --durations",
      "$(PY) -m pytest tests --durations"),                         # the browser test twice
-    ("& waiting=$$!;", "; waiting=$$!;"),                           # the waiting tests first
-    ("wait $$waiting; waited=$$?;", "waited=0;"),                   # the waiting tests unwaited
-    ("&& [ $$waited -eq 0 ]", ""),                                  # their failure lost
-    ("$(addprefix --ignore=,$(BESIDE_NBVAL) $(WAITING_TESTS))",
-     "$(addprefix --ignore=,$(BESIDE_NBVAL))"),                      # the waiting tests twice
+    ("& side=$$!;", "; side=$$!;"),                                 # the side tests first
+    ("wait $$side; sided=$$?;", "sided=0;"),                        # the side tests unwaited
+    ("&& [ $$sided -eq 0 ]", ""),                                   # their failure lost
+    ("$(addprefix --ignore=,$(BESIDE_NBVAL) $(SIDE_TESTS))",
+     "$(addprefix --ignore=,$(BESIDE_NBVAL))"),                      # the side tests twice
 ])
 def test_a_make_test_that_breaks_the_contract_is_caught(tmp_path, mutant):
     text = (ROOT / "Makefile").read_text()
