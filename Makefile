@@ -63,32 +63,33 @@ figures: setup ## run, then copy the figures the notebooks saved into figures/
 BROWSER_TESTS := tests/test_browser.py
 BROWSER_NOTEBOOKS := notebooks/00_setup.ipynb notebooks/01_memory_accounting.ipynb
 NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*.ipynb))
-# A third process runs beside the two (`make test` below): the tests that mostly wait (a launch
-# held until its time limit, ranks asleep or hung on purpose, kernels and make runs started and
-# waited for), whose waits then overlap the others' work instead of lengthening a lane, and the
-# grader's tests on rank exercises, whose work fills those waits. Measured alone on 2 idle
+# A third process runs beside the two (`make test` below), so that three lanes of about equal
+# work share the 2 cores to the end: the tests that mostly wait (a launch held until its time
+# limit, ranks asleep or hung on purpose, kernels and make runs started and waited for), whose
+# waits then overlap the others' work, the grader's tests on rank exercises, notebook 10's and
+# the practice script's, and the checkpoint and launcher tests, each with launches of its own
+# (none reads the launches pytest's lane shares: tests/common.py). Measured alone on 2 idle
 # cores (wall, busy CPU of the whole machine): test_grading_hangs 25.7 s, 9.8 s;
-# test_launch_orphans 21.0 s, 9.5 s; the hang test 17.1 s, 8.0 s; test_course 31.6 s, 17.8 s;
-# test_packaging 8.4 s, 3.1 s; test_grade_batch_ranks 27.1 s, 46.2 s; test_grading_forged
-# 18.6 s, 29.8 s. With the waiting tests alone there, a clean-clone CI run took 731 s, its
-# cores 85% busy (pytest 685 s, nbval 675 s, the third 115 s). Files go whole; a test of a
-# file that stays is named in SIDE_NODES and deselected from pytest's lane.
+# test_launch_orphans 21.0 s, 9.5 s; test_launch's hang test 17.1 s, 8.0 s; test_course 31.6 s,
+# 17.8 s. Clean-clone CI runs: two lanes, 782 s (pytest 736 s, nbval 716 s); with the waiting
+# tests third, 731 s (685, 675, 115 s); with the rank grading tests there too, 733 s (686,
+# 666, 224 s, the cores 86% busy): the lanes that end early leave cores idle.
 WAITING_TESTS := tests/test_grading_hangs.py tests/test_launch_orphans.py tests/test_course.py \
     tests/test_packaging.py
 RANK_GRADING_TESTS := tests/test_grade_batch_ranks.py tests/test_grading_sandbox_ranks.py \
     tests/test_grading_forged.py tests/test_grading_seeds.py
-SIDE_TESTS := $(WAITING_TESTS) $(RANK_GRADING_TESTS)
-SIDE_NODES := tests/test_launch.py::test_hang_is_killed_soon_after_timeout
-SIDE_LOG ?= runs/side.log
-# Notebook 10's test, which runs that notebook's cells on a launch of its own, runs in nbval's
-# process: at d14f231 pytest took 673 s beside nbval's 576 s, the cores 80% busy.
+# Notebook 10's test runs that notebook's cells on a launch of its own.
 NOTEBOOK_TESTS := tests/test_nb10_at_work.py
-# At 9b079a9 (OMP_WAIT_POLICY=PASSIVE below) pytest took 644 s beside nbval's 590 s: the
-# practice script's test (~25 s) moves over too.
 PRACTICE_TESTS := tests/test_fsdp2_script.py
-BESIDE_NBVAL := $(BROWSER_TESTS) $(NOTEBOOK_TESTS) $(PRACTICE_TESTS)
-NOT_PYTESTS_LANE := $(addprefix --ignore=,$(BESIDE_NBVAL) $(SIDE_TESTS)) \
-    $(addprefix --deselect=,$(SIDE_NODES))
+LAUNCHING_TESTS := tests/test_checkpoint.py tests/test_checkpoint_concurrent.py \
+    tests/test_checkpoint_jobs.py tests/test_checkpoint_copies.py tests/test_launch.py \
+    tests/test_launch_safety.py tests/test_launch_deaths.py tests/test_launch_lifetime.py \
+    tests/test_launch_leftovers.py
+SIDE_TESTS := $(WAITING_TESTS) $(RANK_GRADING_TESTS) $(NOTEBOOK_TESTS) $(PRACTICE_TESTS) \
+    $(LAUNCHING_TESTS)
+SIDE_LOG ?= runs/side.log
+BESIDE_NBVAL := $(BROWSER_TESTS)
+NOT_PYTESTS_LANE := $(addprefix --ignore=,$(BESIDE_NBVAL) $(SIDE_TESTS))
 
 # pytest and nbval run at the same time, one process each: nbval's work fills the cores while
 # pytest waits on launches and timeouts, instead of starting after it. The browser test runs
@@ -124,8 +125,8 @@ test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 	    set -- $(NBVAL_BESIDE_BROWSER); else set -- notebooks/; fi; \
 	echo "$(PY) -m pytest --nbval-lax -p no:cacheprovider $$* $(BESIDE_NBVAL) >$(NBVAL_LOG) (beside pytest)"; \
 	$(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=12 "$$@" $(BESIDE_NBVAL) >$(NBVAL_LOG) 2>&1 & nbval=$$!; \
-	echo "$(PY) -m pytest $(SIDE_TESTS) $(SIDE_NODES) >$(SIDE_LOG) (beside both)"; \
-	$(PY) -m pytest -p no:cacheprovider --durations=8 $(SIDE_TESTS) $(SIDE_NODES) >$(SIDE_LOG) 2>&1 & side=$$!; \
+	echo "$(PY) -m pytest $(SIDE_TESTS) >$(SIDE_LOG) (beside both)"; \
+	$(PY) -m pytest -p no:cacheprovider --durations=12 $(SIDE_TESTS) >$(SIDE_LOG) 2>&1 & side=$$!; \
 	trap 'kill $$nbval $$side 2>/dev/null' INT TERM; \
 	echo "$(PY) -m pytest tests $(NOT_PYTESTS_LANE)"; \
 	$(PY) -m pytest tests $(NOT_PYTESTS_LANE) --durations=25; tests=$$?; \
