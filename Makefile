@@ -67,8 +67,10 @@ NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*
 # work share the 2 cores to the end: the tests that mostly wait (a launch held until its time
 # limit, ranks asleep or hung on purpose, kernels and make runs started and waited for), whose
 # waits then overlap the others' work, the grader's tests on rank exercises, notebook 10's and
-# the practice script's, and the checkpoint and launcher tests, each with launches of its own
-# (none reads the launches pytest's lane shares: tests/common.py). Measured alone on 2 idle
+# the practice script's, the checkpoint tests and the judges' (none reads the launches pytest's
+# lane shares: tests/common.py). The launcher's tests of signals and deaths stay in pytest's
+# lane: with them here, two of their waits ran out in a CI run (test_launch_safety's
+# interrupted launch, test_launch_lifetime's SIGINT). Measured alone on 2 idle
 # cores (wall, busy CPU of the whole machine): test_grading_hangs 25.7 s, 9.8 s;
 # test_launch_orphans 21.0 s, 9.5 s; test_launch's hang test 17.1 s, 8.0 s; test_course 31.6 s,
 # 17.8 s. Clean-clone CI runs: two lanes, 782 s (pytest 736 s, nbval 716 s); with the waiting
@@ -82,11 +84,10 @@ RANK_GRADING_TESTS := tests/test_grade_batch_ranks.py tests/test_grading_sandbox
 NOTEBOOK_TESTS := tests/test_nb10_at_work.py
 PRACTICE_TESTS := tests/test_fsdp2_script.py
 LAUNCHING_TESTS := tests/test_checkpoint.py tests/test_checkpoint_concurrent.py \
-    tests/test_checkpoint_jobs.py tests/test_checkpoint_copies.py tests/test_launch.py \
-    tests/test_launch_safety.py tests/test_launch_deaths.py tests/test_launch_lifetime.py \
-    tests/test_launch_leftovers.py
+    tests/test_checkpoint_jobs.py tests/test_checkpoint_copies.py tests/test_launch.py
+JUDGE_TESTS := tests/test_grading_stages.py tests/test_grading_ring.py tests/test_grading_zero3.py
 SIDE_TESTS := $(WAITING_TESTS) $(RANK_GRADING_TESTS) $(NOTEBOOK_TESTS) $(PRACTICE_TESTS) \
-    $(LAUNCHING_TESTS)
+    $(LAUNCHING_TESTS) $(JUDGE_TESTS)
 SIDE_LOG ?= runs/side.log
 BESIDE_NBVAL := $(BROWSER_TESTS)
 NOT_PYTESTS_LANE := $(addprefix --ignore=,$(BESIDE_NBVAL) $(SIDE_TESTS))
