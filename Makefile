@@ -67,15 +67,16 @@ NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*
 # work share the 2 cores to the end: the tests that mostly wait (a launch held until its time
 # limit, ranks asleep or hung on purpose, kernels and make runs started and waited for), whose
 # waits then overlap the others' work, the grader's tests on rank exercises, notebook 10's and
-# the practice script's, the checkpoint tests and the judges' (none reads the launches pytest's
-# lane shares: tests/common.py). The launcher's tests of signals and deaths stay in pytest's
-# lane: with them here, two of their waits ran out in a CI run (test_launch_safety's
-# interrupted launch, test_launch_lifetime's SIGINT). Measured alone on 2 idle
+# the practice script's, the browser test, the checkpoint tests, the judges' and the launcher's
+# (none reads the launches pytest's lane shares: tests/common.py; a lane started in the
+# background gets SIGINT ignored, which tests/conftest.py undoes). Measured alone on 2 idle
 # cores (wall, busy CPU of the whole machine): test_grading_hangs 25.7 s, 9.8 s;
 # test_launch_orphans 21.0 s, 9.5 s; test_launch's hang test 17.1 s, 8.0 s; test_course 31.6 s,
 # 17.8 s. Clean-clone CI runs: two lanes, 782 s (pytest 736 s, nbval 716 s); with the waiting
 # tests third, 731 s (685, 675, 115 s); with the rank grading tests there too, 733 s (686,
-# 666, 224 s, the cores 86% busy): the lanes that end early leave cores idle.
+# 666, 224 s, the cores 86% busy): a lane that ends early leaves cores idle; with notebook
+# 10's, the practice script's, the checkpoint tests and the judges' there too, 708 s (626,
+# 670, 490 s).
 WAITING_TESTS := tests/test_grading_hangs.py tests/test_launch_orphans.py tests/test_course.py \
     tests/test_packaging.py
 RANK_GRADING_TESTS := tests/test_grade_batch_ranks.py tests/test_grading_sandbox_ranks.py \
@@ -84,18 +85,16 @@ RANK_GRADING_TESTS := tests/test_grade_batch_ranks.py tests/test_grading_sandbox
 NOTEBOOK_TESTS := tests/test_nb10_at_work.py
 PRACTICE_TESTS := tests/test_fsdp2_script.py
 LAUNCHING_TESTS := tests/test_checkpoint.py tests/test_checkpoint_concurrent.py \
-    tests/test_checkpoint_jobs.py tests/test_checkpoint_copies.py tests/test_launch.py
+    tests/test_checkpoint_jobs.py tests/test_checkpoint_copies.py tests/test_launch.py \
+    tests/test_launch_lifetime.py tests/test_launch_deaths.py
 JUDGE_TESTS := tests/test_grading_stages.py tests/test_grading_ring.py tests/test_grading_zero3.py
-SIDE_TESTS := $(WAITING_TESTS) $(RANK_GRADING_TESTS) $(NOTEBOOK_TESTS) $(PRACTICE_TESTS) \
-    $(LAUNCHING_TESTS) $(JUDGE_TESTS)
+SIDE_TESTS := $(BROWSER_TESTS) $(WAITING_TESTS) $(RANK_GRADING_TESTS) $(NOTEBOOK_TESTS) \
+    $(PRACTICE_TESTS) $(LAUNCHING_TESTS) $(JUDGE_TESTS)
 SIDE_LOG ?= runs/side.log
-BESIDE_NBVAL := $(BROWSER_TESTS)
-NOT_PYTESTS_LANE := $(addprefix --ignore=,$(BESIDE_NBVAL) $(SIDE_TESTS))
+NOT_PYTESTS_LANE := $(addprefix --ignore=,$(SIDE_TESTS))
 
 # pytest and nbval run at the same time, one process each: nbval's work fills the cores while
-# pytest waits on launches and timeouts, instead of starting after it. The browser test runs
-# in nbval's process, after the notebooks (it is notebooks too): measured on 2 cores, pytest
-# took 655 s and nbval 492 s, so its ~80 s make the two end together. nbval writes to
+# pytest waits on launches and timeouts, instead of starting after it. nbval writes to
 # NBVAL_LOG, shown when pytest ends, so neither's lines break the other's (`tail -f
 # runs/nbval.log` to watch it).
 # The side tests run in a third process beside both (above), their output in SIDE_LOG, shown
@@ -116,7 +115,7 @@ ENSURE_BWRAP ?= sh tests/ensure_package.sh bwrap bubblewrap "the grader's sandbo
 # 12 s alone. The lanes below are each other's busy neighbours, and every kernel, pytest
 # process and rank inherits this.
 test: export OMP_WAIT_POLICY = PASSIVE
-test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
+test: setup ## ruff, then pytest on tests/, nbval on every notebook and the side tests at once (CPU)
 	$(VENV)/bin/ruff check zero_lab tests
 	@$(ENSURE_CHROMIUM)
 	@$(ENSURE_BWRAP)
@@ -124,15 +123,15 @@ test: setup ## ruff, then pytest on tests/ beside nbval on every notebook (CPU)
 	@if command -v chromium >/dev/null 2>&1; then \
 	    echo "nbval: $(BROWSER_NOTEBOOKS) run in $(BROWSER_TESTS)"; \
 	    set -- $(NBVAL_BESIDE_BROWSER); else set -- notebooks/; fi; \
-	echo "$(PY) -m pytest --nbval-lax -p no:cacheprovider $$* $(BESIDE_NBVAL) >$(NBVAL_LOG) (beside pytest)"; \
-	$(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=12 "$$@" $(BESIDE_NBVAL) >$(NBVAL_LOG) 2>&1 & nbval=$$!; \
+	echo "$(PY) -m pytest --nbval-lax -p no:cacheprovider $$* >$(NBVAL_LOG) (beside pytest)"; \
+	$(PY) -m pytest --nbval-lax -p no:cacheprovider --durations=12 "$$@" >$(NBVAL_LOG) 2>&1 & nbval=$$!; \
 	echo "$(PY) -m pytest $(SIDE_TESTS) >$(SIDE_LOG) (beside both)"; \
 	$(PY) -m pytest -p no:cacheprovider --durations=12 $(SIDE_TESTS) >$(SIDE_LOG) 2>&1 & side=$$!; \
 	trap 'kill $$nbval $$side 2>/dev/null' INT TERM; \
 	echo "$(PY) -m pytest tests $(NOT_PYTESTS_LANE)"; \
 	$(PY) -m pytest tests $(NOT_PYTESTS_LANE) --durations=25; tests=$$?; \
 	wait $$nbval; notebooks=$$?; wait $$side; sided=$$?; \
-	echo "============= nbval and the browser test, run beside pytest ($(NBVAL_LOG)) ============="; \
+	echo "============= nbval, run beside pytest ($(NBVAL_LOG)) ============="; \
 	cat $(NBVAL_LOG); \
 	echo "============= the side tests, run beside both ($(SIDE_LOG)) ============="; \
 	cat $(SIDE_LOG); \

@@ -1,11 +1,23 @@
 """Fixtures shared by the tests: the launch tests' private temp dir, and a figures folder of
-the test session's own."""
+the test session's own; and Ctrl-C's default handler, however pytest was started."""
 
 from __future__ import annotations
 
+import signal
 import tempfile
 
 import pytest
+
+
+def pytest_configure(config):
+    """Ctrl-C's default handler, wherever pytest was started: `make test` starts two of its
+    three pytest processes in the background of a non-interactive shell, which starts them with
+    SIGINT ignored (POSIX, job control off; so do nohup and some CI runners). Ignored, it stays
+    ignored in every process a test starts: a test that interrupts a launch
+    (test_launch_safety) or sends SIGINT to a launcher (test_launch_lifetime) then waits for an
+    interrupt that never comes."""
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 @pytest.fixture(scope="session", autouse=True)

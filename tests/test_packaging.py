@@ -133,10 +133,9 @@ def run_make_test(makefile: Path, tmp_path: Path, statuses: tuple[int, int, int]
 
 def make_test_contract(makefile: Path, tmp_path: Path) -> list[str]:
     """What `make test` of `makefile` gets wrong: pytest, nbval and the side tests must run at the
-    same time, nbval's output come after pytest's and the side tests' last, the browser test
-    run in nbval's process and not in pytest's, the side tests in their own process only, and
-    the target fail when any fails (pytest's 5, nothing collected, is no failure).
-    Stops at the first case it gets wrong."""
+    same time, nbval's output come after pytest's and the side tests' last, the side tests (the
+    browser test among them) run in their own process only, and the target fail when any fails
+    (pytest's 5, nothing collected, is no failure). Stops at the first case it gets wrong."""
     for statuses, passes in [((0, 0, 0), True), ((1, 0, 0), False), ((0, 1, 0), False),
                              ((0, 0, 1), False), ((5, 5, 5), True), ((5, 2, 5), False),
                              ((2, 5, 5), False), ((5, 5, 2), False)]:
@@ -150,16 +149,13 @@ def make_test_contract(makefile: Path, tmp_path: Path) -> list[str]:
         if not 0 <= shown.find("pytest ran") < shown.find("nbval ran") < \
                 shown.find("side ran"):
             return [f"{case}: the logs not in the order pytest, nbval, side", shown]
-        # The browser test runs once, in nbval's process (it balances the two: Makefile).
+        # A side test runs once, in the side process (the lanes balance: Makefile).
         args = {me: set(line.split(" args: ", 1)[1].split()) for line in shown.splitlines()
                 for me in LANES if line.startswith(f"{me} args: ")}
-        if "tests/test_browser.py" not in args.get("nbval", ()) or \
-                "--ignore=tests/test_browser.py" not in args.get("pytest", ()):
-            return [f"{case}: the browser test is not run beside pytest, once", shown]
-        # A side test runs once, in the side process.
         if any(test not in args.get("side", ()) or f"--ignore={test}" not in args.get("pytest", ())
                or test in args.get("nbval", ())
-               for test in ("tests/test_grading_hangs.py", "tests/test_grade_batch_ranks.py")):
+               for test in ("tests/test_browser.py", "tests/test_grading_hangs.py",
+                            "tests/test_grade_batch_ranks.py")):
             return [f"{case}: the side tests are not run in a process of their own, once", shown]
     return []
 
@@ -173,12 +169,12 @@ def test_make_test_runs_pytest_nbval_and_the_side_tests_at_once_and_fails_if_any
     ("[ $$tests -eq 0 ] && [ $$notebooks -eq 0 ]", "[ $$tests -eq 0 ]"),  # nbval's failure lost
     ("wait $$nbval; notebooks=$$?;", "notebooks=0;"),               # nbval not waited for
     ("$(PY) -m pytest tests $(NOT_PYTESTS_LANE) --durations",
-     "$(PY) -m pytest tests --durations"),                         # the browser test twice
+     "$(PY) -m pytest tests --durations"),                         # the side tests twice
     ("& side=$$!;", "; side=$$!;"),                                 # the side tests first
     ("wait $$side; sided=$$?;", "sided=0;"),                        # the side tests unwaited
     ("&& [ $$sided -eq 0 ]", ""),                                   # their failure lost
-    ("$(addprefix --ignore=,$(BESIDE_NBVAL) $(SIDE_TESTS))",
-     "$(addprefix --ignore=,$(BESIDE_NBVAL))"),                      # the side tests twice
+    ('--durations=12 "$$@" >$(NBVAL_LOG)',
+     '--durations=12 "$$@" $(BROWSER_TESTS) >$(NBVAL_LOG)'),        # the browser test twice
 ])
 def test_a_make_test_that_breaks_the_contract_is_caught(tmp_path, mutant):
     text = (ROOT / "Makefile").read_text()
