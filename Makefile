@@ -76,7 +76,8 @@ NBVAL_BESIDE_BROWSER := $(filter-out $(BROWSER_NOTEBOOKS),$(wildcard notebooks/*
 # tests third, 731 s (685, 675, 115 s); with the rank grading tests there too, 733 s (686,
 # 666, 224 s, the cores 86% busy): a lane that ends early leaves cores idle; with notebook
 # 10's, the practice script's, the checkpoint tests and the judges' there too, 708 s (626,
-# 670, 490 s).
+# 670, 490 s); with the browser test and two more launcher tests there too (as below), 651 s
+# (608, 581, 598 s).
 WAITING_TESTS := tests/test_grading_hangs.py tests/test_launch_orphans.py tests/test_course.py \
     tests/test_packaging.py
 RANK_GRADING_TESTS := tests/test_grade_batch_ranks.py tests/test_grading_sandbox_ranks.py \

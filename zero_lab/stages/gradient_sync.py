@@ -204,13 +204,13 @@ class GradientSync:
         first, and the next forward waits for it (param_gather.py)."""
         overlap = self.param_gather
         order = range(len(self.groups)) if gs is None else gs
-        for g in (order[::-1] if overlap else order):
+        for g in (order[::-1] if overlap is not None else order):
             group = self.groups[g]
-            if overlap:
+            if overlap is not None:
                 overlap.wait(g)  # one all-gather per bucket in flight (no forward came)
             work = group.all_gather(group.flat, group.shard(group.flat),
                                     async_op=overlap is not None)
-            if overlap:
+            if overlap is not None:
                 overlap.hold(g, work)
 
     def wait_for_params(self) -> None:
