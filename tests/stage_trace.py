@@ -105,8 +105,8 @@ ADD_ON_FILES = {"lockstep.py", "unused_params.py", "unit_order.py", "at_rest.py"
 # Functions of mechanism files that serve an option, a check or instrumentation.
 ADD_ONS = {
     "gradient_sync.py": {"GradientSync.before_first_collective", "GradientSync.step_starts",
-                         "GradientSync.defers", "GradientSync.drop_unsynced",
-                         "GradientSync.clear_has_grad", "GradientSync.group_sharded",
+                         "GradientSync.defers", "GradientSync.forget_gradients",
+                         "GradientSync.group_sharded",
                          "GradientSync.abandon_unfinished_backward",
                          "GradientSync.wait_for_params", "GradientSync.land_through",
                          "GradientSync.settle", "GradientSync.landing_order"},

@@ -80,14 +80,14 @@ def test_held_bytes_follow_each_design(result):
     systems = result["systems"]
     # Ψ = 7056 is divisible by 2: no padding; fp32 Adam states are 8 bytes per element.
     for name, stage in [("ddp", 0), ("stage0", 0), ("stage1", 1), ("stage2", 2), ("stage3", 3),
-                        ("stage1_plain", 1), ("stage2_plain", 2),
+                        ("stage1_param_gather", 1), ("stage2_param_gather", 2),
                         ("stage3_noprefetch", 3), ("stage3_checked", 3), ("fsdp2", 3),
                         ("stage3_prefetch2", 3), ("stage3_prefetch5", 3),
                         ("stage3_into_backward", 3),
                         ("stage1_torch", 1),
                         ("stage2_torch", 2), ("stage3_torch", 3),
                         ("stage1_grad_reduce", 1), ("stage1_overlap", 1),
-                        ("stage1_overlap_step", 1), ("stage2_overlap", 2),
+                        ("stage1_overlap_step", 1),
                         ("stage2_overlap_step", 2)]:
         predicted = model_state_bytes(PSI, stage, 2, precision="fp32")
         if name == "stage2_overlap_step":
@@ -103,10 +103,10 @@ def test_held_bytes_follow_each_design(result):
 
 
 def test_bytes_communicated_per_step(result):
-    for name in ("ddp", "stage0", "stage1", "stage2", "stage1_plain", "stage2_plain",
+    for name in ("ddp", "stage0", "stage1", "stage2", "stage1_param_gather", "stage2_param_gather",
                  "stage1_torch", "stage2_torch",
                  "stage1_grad_reduce", "stage1_overlap", "stage1_overlap_step",
-                 "stage2_overlap", "stage2_overlap_step"):  # hidden, not fewer bytes
+                 "stage2_overlap_step"):  # hidden, not fewer bytes
         for comm in result["systems"][name]["comm"]:
             assert comm["volume"] == 2 * 4 * PSI, name  # the paper's 2Ψ (fp32)
             assert comm["sent_bytes"] == 4 * PSI, name  # ring: 2(N-1)/N x Ψ x 4 bytes

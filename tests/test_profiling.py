@@ -230,10 +230,10 @@ def test_capture_primes_each_step_outside_its_window(tmp_path):
 
 # ----------------------------------------------------------------------------- real traces
 
-# stage2_overlap (first: there, without capture's settle, 1 launch of 2 aborted; alone, 7 of
+# stage2_param_gather (first: there, without capture's settle, 1 launch of 2 aborted; alone, 7 of
 # 7): its step leaves the all-gathers in flight for the next forward; a gloo work issued
 # under the profiler and finished after it stopped corrupted the heap (capture.py).
-SYSTEMS = ["stage2_overlap", "compute_only", "stage0", "stage1", "stage2", "stage3",
+SYSTEMS = ["stage2_param_gather", "compute_only", "stage0", "stage1", "stage2", "stage3",
            "stage3_noprefetch", "ddp", "fsdp2", "blog_zero1"]
 DEPTH = 4
 NO_COMM = ["stage0", "stage1", "stage2", "stage3"]

@@ -145,15 +145,16 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
     System("zero_redundancy", "torch ZeroRedundancyOptimizer + DDP", build_zero_redundancy,
            "torch\nZeroRedundancyOpt."),
     System("stage0", "zero_lab stage 0", partial(build_zero_lab, stage=0), "zero_lab\nstage 0"),
-    # Stages 1-2 as shard() makes them by default (overlap_param_gather) and plain.
+    # Stages 1-2 as shard() makes them by default (the all-gather in opt.step()), and with
+    # it issued by the step and waited for by the next forward (overlap_param_gather).
     System("stage1", "zero_lab stage 1", partial(build_zero_lab, stage=1), "zero_lab\nstage 1"),
     System("stage2", "zero_lab stage 2", partial(build_zero_lab, stage=2), "zero_lab\nstage 2"),
-    System("stage1_plain", "zero_lab stage 1, overlap_param_gather=False",
-           partial(build_zero_lab, stage=1, overlap_param_gather=False),
-           "zero_lab st. 1\nplain"),
-    System("stage2_plain", "zero_lab stage 2, overlap_param_gather=False",
-           partial(build_zero_lab, stage=2, overlap_param_gather=False),
-           "zero_lab st. 2\nplain"),
+    System("stage1_param_gather", "zero_lab stage 1, overlap_param_gather",
+           partial(build_zero_lab, stage=1, overlap_param_gather=True),
+           "zero_lab st. 1\ngather in fwd"),
+    System("stage2_param_gather", "zero_lab stage 2, overlap_param_gather",
+           partial(build_zero_lab, stage=2, overlap_param_gather=True),
+           "zero_lab st. 2\ngather in fwd"),
     System("stage3", "zero_lab stage 3 (prefetch)", partial(build_zero_lab, stage=3),
            "zero_lab\nstage 3"),
     System("stage3_noprefetch", "zero_lab stage 3, no prefetch",
@@ -173,9 +174,9 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
            "zero_lab st. 3\nno lockstep check"),
     System("fsdp2", "torch FSDP2 (fully_shard)", build_fsdp2, "torch\nFSDP2"),
     # Hiding the communication (stages/param_gather.py, InFlight in stages/partition.py): the
-    # same bytes, sent
-    # under the next forward (the all-gather) and during backward (stage 1's reduce-scatter);
-    # "_step" also updates each bucket as soon as its gradient lands.
+    # same bytes, sent under the next forward (the all-gather, "_param_gather" above) and
+    # during backward (stage 1's reduce-scatter); "_step" also updates each bucket as soon
+    # as its gradient lands.
     System("stage1_grad_reduce", "zero_lab stage 1, overlap_grad_reduce",
            partial(build_zero_lab, stage=1, overlap_grad_reduce=True),
            "zero_lab st. 1\nreduce in bwd"),
@@ -186,9 +187,6 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
            partial(build_zero_lab, stage=1, overlap_param_gather=True,
                    overlap_grad_reduce=True, overlap_step=True),
            "zero_lab st. 1\noverlap + step"),
-    System("stage2_overlap", "zero_lab stage 2, overlap_param_gather",
-           partial(build_zero_lab, stage=2, overlap_param_gather=True),
-           "zero_lab st. 2\noverlapped"),
     System("stage2_overlap_step", "zero_lab stage 2, overlapped + overlap_step",
            partial(build_zero_lab, stage=2, overlap_param_gather=True, overlap_step=True),
            "zero_lab st. 2\noverlap + step"),

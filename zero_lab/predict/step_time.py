@@ -138,8 +138,8 @@ def project_step(n_params: float, stage: int, world_size: int, link, compute_s: 
     in backward hides, runs under the other k - 1 buckets' steps (at most (k-1)/k of
     `optimizer_s`, times `overlap`).
     `gather_after_step=True` describes implementations that all-gather the parameters after
-    the optimizer step instead (this course's stages 1-2 with overlap_param_gather=False,
-    DeepSpeed ZeRO-1/2): nothing computes then, so by the same rule none of that gather hides.
+    the optimizer step instead (this course's stages 1-2 by default, DeepSpeed
+    ZeRO-1/2): nothing computes then, so by the same rule none of that gather hides.
     `accumulation=k` micro-batches per optimizer step (`compute_s` is one micro-batch's): the
     first k - 1 under no_sync, each op's passes over Ψ from `knobs.accumulation_messages`,
     the formulas notebook 08 measures. Stages 0-1 reduce in the last backward only; stage 2

@@ -90,7 +90,7 @@ def check_busy_exceeds_computing(b: dict[str, float], system: str = "") -> None:
 # exposed time is an upper bound (analysis.py: gloo's work in flight while the main thread
 # runs Python counts as exposed), so the ratio sits above 1. Measured with notebook 06's
 # model and recording (medians of 7 steps in turn per rank) on 2 cores, stages 1-2 gathering
-# under the next forward (their default since issue 24): the right analysis gave 1.14 to
+# under the next forward (their default from issue 24 to 51): the right analysis gave 1.14 to
 # 1.21 idle (3 runs) and 1.12 to 1.49 with two to four busy processes beside it (24 runs,
 # 1.5 to 3.0 per core), 1.67 once in 11 soak runs (outside the first band, 0.7-1.6,
 # measured when stages 1-2 gathered after the step), and 2.25 once with another notebook's

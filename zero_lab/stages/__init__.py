@@ -79,7 +79,7 @@ def shard(
     keep_fp32: Sequence[type] = (),
     reduce_dtype: torch.dtype | None = None,
     # overlap: the same bytes, sent earlier (and prefetch above)
-    overlap_param_gather: bool | None = None,
+    overlap_param_gather: bool = False,
     overlap_grad_reduce: bool | None = None,
     overlap_step: bool = False,
     # accumulation (the runtime switch is model.no_sync()) and activation memory
@@ -126,8 +126,9 @@ def shard(
     overlap (the bytes are the same)
       prefetch           stage 3: True gathers the next unit while one computes, False none,
                          an int k the next k
-      overlap_param_gather  stages 1-2 (on there): the step's all-gathers are waited for by
-                         the next forward; a raw read waits for its bucket (param_gather.py)
+      overlap_param_gather  stages 1-2: the step only issues its all-gathers and the next
+                         forward waits for them; a raw read waits for its bucket
+                         (param_gather.py)
       overlap_grad_reduce   stage 1: reduce-scatter each bucket during backward (stages 0, 2,
                          3 always do)
       overlap_step       stages 1-2: each bucket stepped as its gradient lands; a reader

@@ -89,5 +89,4 @@ class DataParallel(GradientSync):
         self._land_all()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        self.grads.zero_grad(set_to_none)
-        self.drop_unsynced()
+        self.grads.zero_grad(set_to_none)  # (forgets what no_sync held, too)

@@ -200,18 +200,13 @@ class GradientSync:
     def all_gather_params(self, gs: list[int] | None = None) -> None:
         """Stages 1 and 2, after the optimizer step: every rank's updated slice -> the full
         parameters everywhere, one all_gather_single per group (not N broadcasts), in place.
-        With overlap_param_gather each is only issued, the last group (the first layers)
-        first, and the next forward waits for it (param_gather.py)."""
-        overlap = self.param_gather
-        order = range(len(self.groups)) if gs is None else gs
-        for g in (order[::-1] if overlap is not None else order):
+        With overlap_param_gather they are only issued, and the next forward waits for each
+        (param_gather.py)."""
+        if self.param_gather is not None:
+            return self.param_gather.issue(gs)
+        for g in (range(len(self.groups)) if gs is None else gs):
             group = self.groups[g]
-            if overlap is not None:
-                overlap.wait(g)  # one all-gather per bucket in flight (no forward came)
-            work = group.all_gather(group.flat, group.shard(group.flat),
-                                    async_op=overlap is not None)
-            if overlap is not None:
-                overlap.hold(g, work)
+            group.all_gather(group.flat, group.shard(group.flat))
 
     def wait_for_params(self) -> None:
         """Every parameter whole and up to date: the all-gathers opt.step() left in flight
@@ -257,15 +252,13 @@ class GradientSync:
         0 and 1 always can (a full gradient buffer); stages 2-3 with "unsharded" only."""
         return not self._syncing and self.grad_accumulation == "unsharded"
 
-    def drop_unsynced(self) -> None:
-        """zero_grad(): what no_sync accumulated is gone with the gradients (and main_grads)."""
-        self.unsynced = False
-        self._arrived_unsynced = None
+    def forget_gradients(self, set_to_none: bool) -> None:
+        """zero_grad(): what no_sync accumulated is gone with the gradients (and main_grads);
+        with set_to_none, no parameter has a gradient until the next backward."""
+        self.unsynced, self._arrived_unsynced = False, None
         self.main_grads = [None] * len(self.groups)
-
-    def clear_has_grad(self) -> None:
-        """`zero_grad(set_to_none=True)`: no parameter has a gradient until the next backward."""
-        self.has_grad = [[False] * len(g.params) for g in self.groups]
+        if set_to_none:
+            self.has_grad = [[False] * len(g.params) for g in self.groups]
 
     def group_sharded(self, g: int) -> bool:
         """Does the optimizer step only this rank's slice of group g?"""
@@ -314,8 +307,8 @@ class FullGradients:
         set_to_none=False: a parameter that has a gradient keeps it, as a zeroed view of the
         buffer, and autograd accumulates straight into it."""
         sync = self.sync
+        sync.forget_gradients(set_to_none)
         if set_to_none:
-            sync.clear_has_grad()
             for step_param in sync.step_params:  # given back when backward ends
                 step_param.grad = None
         for g, (group, buf, views) in enumerate(zip(sync.groups, self.flat_grads, self.views,

@@ -125,19 +125,21 @@ class Lockstep:
         difference in the fingerprint alone (default: stage 3's unit order)."""
         if not self.enabled:
             return
-        steps = self.steps if steps is None else steps
-        mine = torch.tensor([PHASES[phase], steps, fingerprint], dtype=torch.int64,
-                            device=self.device)
+        mine = torch.tensor([PHASES[phase], self.steps if steps is None else steps, fingerprint],
+                            dtype=torch.int64, device=self.device)
         start = time.perf_counter()
-        everyone = mine.new_empty(self.world_size * 3)
+        everyone = mine.new_empty(self.world_size, 3)  # row r: rank r's three integers
         with mark(LOCKSTEP_CHECK), control_message("all_gather", everyone, self.world_size,
                                                     "zero_lab.stages.lockstep"):
-            dist.all_gather_single(everyone, mine, group=self.process_group)
-        rows = [tuple(row) for row in everyone.view(self.world_size, 3).tolist()]
+            dist.all_gather_single(everyone.view(-1), mine, group=self.process_group)
         self.seconds += time.perf_counter() - start
-        if all(row == rows[0] for row in rows):
-            return
-        # Every rank found the same difference, so every rank joins this second gather.
+        if not torch.equal(everyone, mine.expand_as(everyone)):
+            self._differ([tuple(row) for row in everyone.tolist()], detail, why)
+
+    def _differ(self, rows: list[tuple[int, int, int]],
+                detail: Callable[[], str | dict] | None, why: str | None) -> None:
+        """The ranks differ (every rank found the same rows): every rank raises the same
+        error, after one more gather, of what each rank's fingerprint stands for."""
         details: list = [None] * self.world_size
         dist.all_gather_object(details, detail() if detail else "", group=self.process_group)
         if PHASES["gather"] in {row[0] for row in rows} and len({row[1] for row in rows}) == 1:

@@ -1,6 +1,6 @@
-"""Stages 1-2, `overlap_param_gather=True` (shard()'s default there): the updated parameters
-come back under the next forward, bucket by bucket (Megatron-LM's distributed optimizer does
-the same under this name).
+"""Stages 1-2, `overlap_param_gather=True` (shard()'s option; off by default): the updated
+parameters come back under the next forward, bucket by bucket (Megatron-LM's distributed
+optimizer does the same under this name, off by default there too).
 
 Without it, `opt.step()` all-gathers every updated slice and waits. With it, `opt.step()`
 only *issues* one asynchronous all-gather per bucket, the last bucket (the first layers)
@@ -47,12 +47,17 @@ class ParamGather:
         self.guarded = [[p for p in group.params if type(p) is GuardedParameter]
                         for group in groups]
 
-    def hold(self, g: int, work) -> None:
-        """Bucket g's all-gather was issued (gradient_sync.all_gather_params): its parameters
-        are in flight until `wait(g)`."""
-        self.pending[g] = work
-        for p in self.guarded[g]:
-            p.zero_lab_state = IN_FLIGHT
+    def issue(self, gs: list[int] | None = None) -> None:
+        """After the optimizer step: issue the all-gather of each bucket (of `gs`, default all),
+        the last bucket (the first layers) first; its parameters are in flight until
+        `wait(g)`. The all-gather is the stage's own (`FlatParamGroup.all_gather`), only
+        asynchronous."""
+        for g in reversed(range(len(self.groups)) if gs is None else gs):
+            self.wait(g)  # one all-gather per bucket in flight (no forward came since)
+            group = self.groups[g]
+            self.pending[g] = group.all_gather(group.flat, group.shard(group.flat), async_op=True)
+            for p in self.guarded[g]:
+                p.zero_lab_state = IN_FLIGHT
 
     def wait(self, g: int) -> None:
         """Bucket g's parameters are whole once this returns."""

@@ -80,13 +80,12 @@ def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduc
     """shard()'s options that hide communication (param_gather.py, partition.py's InFlight):
     where each applies. Stage 0 has no all-gather and stages 0, 2 and 3 always reduce during
     backward; stage 3 gathers before each unit's forward (its prefetch) and steps at rest. Returns
-    (overlap_param_gather, overlap_grad_reduce) resolved, None meaning the stage's way:
-    the all-gather under the next forward at stages 1-2 (never slower measured on 2 CPU
-    ranks, faster with several buckets, hidden on GPUs; a raw read waits for its bucket,
-    param_gather.py); stage 1 reduces when backward ends (reducing during backward measured
-    no faster on 2 CPU cores, see course/bench_systems.py)."""
-    if overlap_param_gather is None:
-        overlap_param_gather = stage in (1, 2)
+    (overlap_param_gather, overlap_grad_reduce) resolved, None meaning the stage's way.
+    Stages 1-2 all-gather in `opt.step()` unless overlap_param_gather=True (DeepSpeed's
+    order, Megatron-LM's default: issuing them early measured no faster on 2 CPU ranks with
+    one bucket, see course/bench_systems.py; it hides them where bytes move beside compute,
+    as on GPUs); stage 1 reduces when backward ends (reducing during backward measured no
+    faster on 2 CPU cores either)."""
     if overlap_grad_reduce is None:
         overlap_grad_reduce = stage != 1
     for name, value in (("overlap_param_gather", overlap_param_gather),

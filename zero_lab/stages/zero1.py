@@ -214,7 +214,6 @@ class Zero1(GradientSync):
         self.land_reductions()  # overlap_step, no step since: they would land after it
         self.grads.zero_grad(set_to_none)
         self._holds_average = False
-        self.drop_unsynced()
 
 
 class ZeroRedundancyOptimizer(ShardedOptimizer):

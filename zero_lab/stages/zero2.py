@@ -123,10 +123,8 @@ class ShardedGradients:
         sync = self.sync
         sync.land_reductions()  # overlap_step, no step since: they would land after it
         clear_grads(sync.step_params, set_to_none)  # the owned gradient slices
-        if set_to_none:
-            sync.clear_has_grad()
         self.held = [None] * len(self.held)  # accumulated under no_sync: dropped too
-        sync.drop_unsynced()
+        sync.forget_gradients(set_to_none)
 
     def abandon(self) -> None:
         """A backward raised: buckets already sent land, as gradients; half-filled ones are
