@@ -216,8 +216,8 @@ def main() -> None:
             results[run.name]["waiting_for_cores"] = waiting.share
             results[run.name]["load_per_core"] = os.getloadavg()[0] / (os.cpu_count() or 1)
         if info.rank == 0:
-            print(f"{run.name:18s} {1e3 * statistics.median(slowest):7.2f} ms per step (median of "
-                  f"{args.timed}, unprofiled); traces in {args.out.name}/{run.name}")
+            print(f"{run.name:19s} {1e3 * statistics.median(slowest):6.1f} ms a step (median of "
+                  f"{args.timed}, unprofiled) -> {args.out.name}/{run.name}")
     data = {"systems": results, "world_size": info.world_size, "backend": info.backend,
             "device": str(info.device),
             "n_params": count_parameters(deep_mlp(config.width, config.depth))}
