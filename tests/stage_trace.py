@@ -79,7 +79,7 @@ ADD_ON_WORDS = re.compile(
     r"defers|_syncing|_held\b|held\b|lockstep|check_|refuse|replicated|wide|main_grad|overlap|"
     r"span|_event|mark\(|_kept|_withheld|reshard|post_group|frozen|_late|_pending_inputs|"
     r"find_unused|has_grad|unsynced|_arrived_here|_arrived_unsynced|agree_on_grads|"
-    r"abandon|_checked|_record|_derailed|_position|_gathers|"
+    r"abandon|_checked|_record|_derailed|_position|_gathers|forget_gradients|"
     r"is_compiling|compile|param_gather|rounding|fresh_start|_holds_average|reduce_in_step|"
     r"variant|_grads_in|step_starts|before_first_collective|on_event")
 
