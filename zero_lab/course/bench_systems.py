@@ -222,15 +222,19 @@ def caveats(systems, backend: str) -> list[str]:
 NO_COMM = "_no_comm"  # suffix of a stage's twin: "stage2_no_comm"
 
 
-def no_comm_twin(stage: int) -> System:
-    """zero_lab stage `stage` with `transport="none"`: every copy, hook, bucket and the 1/N
+def no_comm_twin(name: str) -> System:
+    """zero_lab's system `name` with `transport="none"`: every copy, hook, bucket and the 1/N
     update, nothing sent (its weights are meaningless: no rank sees another's data)."""
-    return System(f"stage{stage}{NO_COMM}", f"zero_lab stage {stage}, sending nothing",
-                  partial(build_zero_lab, stage=stage, transport="none"),
-                  f"zero_lab st. {stage}\nsends nothing")
+    system = SYSTEMS[name]
+    return System(f"{name}{NO_COMM}", f"{system.label}, sending nothing",
+                  partial(system.build, transport="none"), f"{name}\nsends nothing")
 
 
-TWINS: dict[str, System] = {s.name: s for s in map(no_comm_twin, range(4))}
+# Stages 0-3 as shard() makes them (notebook 07), and stages 1-2 with their all-gathers under
+# the next forward: notebook 06's A/B check needs communication hidden under compute at every
+# stage, and by default stages 1-2 hide next to none of theirs (profiling/checks.py).
+TWINS: dict[str, System] = {s.name: s for s in map(no_comm_twin, (
+    "stage0", "stage1", "stage2", "stage3", "stage1_param_gather", "stage2_param_gather"))}
 # What the bench worker can build: the systems `make bench` races by default, and the twins,
 # run only when named (their weights differ from every other system's by design).
 BENCH_SYSTEMS: dict[str, System] = {**SYSTEMS, **TWINS}

@@ -45,7 +45,7 @@ import torch
 import torch.distributed as dist
 
 from zero_lab.collectives import CommLedger
-from zero_lab.course.bench_systems import NO_COMM, PROFILE_SYSTEMS, BenchConfig
+from zero_lab.course.bench_systems import NO_COMM, PROFILE_SYSTEMS, TWINS, BenchConfig
 from zero_lab.course.workloads import count_parameters, deep_mlp, mlp_batch, mse_loss, rank_slice
 from zero_lab.launch import init_worker, report
 from zero_lab.measure.memory import held_bytes
@@ -179,7 +179,8 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--timed", type=int, default=6)
-    parser.add_argument("--no-comm", nargs="*", default=[], choices=[f"stage{s}" for s in range(4)],
+    parser.add_argument("--no-comm", nargs="*", default=[],
+                        choices=[name.removesuffix(NO_COMM) for name in TWINS],
                         help="stages timed beside a twin that sends nothing")
     args = parser.parse_args()
     config = BenchConfig(**json.loads(args.config))
