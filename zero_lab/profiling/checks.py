@@ -178,6 +178,8 @@ def check_exposed_matches_removal(exposed: dict[str, float], removed: dict[str, 
     ratios are in the comments above AB_LOW and AB_LOAD_PER_CORE):
 
     - Summed over stages 0-3: one stage's difference on two busy cores is too noisy alone.
+      Stages 1-2 with overlap_param_gather=True: condition 2 needs communication hidden at
+      every stage, and gathering in the step they hide next to none (see above AB_LOW).
     - Medians, not minima: `removed` subtracts two steps, and the difference of two fastest
       steps is one lucky step on either side (an earlier version used minima and left its
       band in one soak run in five). Each side is the median of 7 steps per rank, a step of
