@@ -16,7 +16,7 @@ zero_grad on the slices: `MECHANISM` below), and as an add-on when the function 
 something the plain stage leaves out (options, checks, refusals, instrumentation:
 `ADD_ONS`). The unit is the function (its qualified name), so a branch for an option inside a
 mechanism function would count as mechanism, so within a mechanism function a line whose code
-(comments aside) names an add-on (`ADD_ON_WORDS`: `defers`, `lockstep`, `wide`, `span`, ...)
+(comments aside) names an add-on (`ADD_ON_WORDS`: `defers`, `lockstep`, `wide`, `_event`, ...)
 counts as an add-on. Comments and docstrings never run, so never count. A function in neither
 table is reported as unclassified (the test fails on one: classify it).
 """
@@ -48,12 +48,13 @@ MECHANISM = {
     "zero1.py": {"Zero1.on_grad", "Zero1.on_group_ready", "Zero1.end_of_backward",
                  "Zero1.reduce_when_backward_ends",
                  "Zero1.reduce_gradients", "Zero1.before_step", "Zero1.after_step",
-                 "Zero1.zero_grad", "Zero1._land_slice", "Zero1._slice_dtype",
+                 "Zero1.zero_grad", "Zero1._land_slice",
                  "Zero1._pre_divide"},
     "zero2.py": {"Zero2.on_grad", "Zero2.end_of_backward", "Zero2.after_step", "Zero2.zero_grad",
                  "ShardedGradients.add", "ShardedGradients.send", "ShardedGradients.land",
                  "ShardedGradients.zero_grad"},
-    "zero3.py": {"Zero3.gather", "Zero3.release", "Zero3._forward_start", "Zero3._pre_forward",
+    "zero3.py": {"Zero3.gather", "Zero3.release", "Zero3._release_unkept",
+                 "Zero3._forward_start", "Zero3._pre_forward",
                  "Zero3._post_forward", "Zero3._forward_end", "Zero3._pre_backward",
                  "Zero3.on_group_ready", "Zero3.end_of_backward", "Zero3.before_step",
                  "Zero3.after_step", "Zero3.zero_grad", "_tensors",
@@ -77,11 +78,11 @@ MECHANISM = {
 # a check, a refusal, a mark for a trace, the fp32 reduction, no_sync's bookkeeping).
 ADD_ON_WORDS = re.compile(
     r"defers|_syncing|_held\b|held\b|lockstep|check_|refuse|replicated|wide|main_grad|overlap|"
-    r"span|_event|mark\(|_kept|_withheld|reshard|post_group|frozen|_late|_pending_inputs|"
+    r"_event|mark\(|_kept|_withheld|reshard|post_group|frozen|_late|_pending_inputs|"
     r"find_unused|has_grad|unsynced|_arrived_here|_arrived_unsynced|agree_on_grads|"
     r"abandon|_checked|_record|_derailed|_position|_gathers|forget_gradients|"
     r"is_compiling|compile|param_gather|rounding|fresh_start|_holds_average|reduce_in_step|"
-    r"variant|_grads_in|step_starts|before_first_collective|on_event")
+    r"variant|_grads_in|step_starts|before_first_collective|listen")
 
 
 def classify(rel: str, qualname: str, line: int | None = None) -> str:
@@ -112,7 +113,7 @@ ADD_ONS = {
                          "GradientSync.settle", "GradientSync.landing_order"},
     "zero1.py": set(), "ddp.py": set(),
     "zero2.py": {"Zero2.defers", "Zero2.grad_buffers", "ShardedGradients.abandon"},
-    "zero3.py": {"Zero3._open_span", "Zero3._close_span", "Zero3._event",
+    "zero3.py": {"Zero3._event", "Zero3._keep_gathered", "Zero3._keep_1_of_d",
                  "Zero3._watch_inputs", "Zero3._inputs_done", "Zero3.before_first_collective",
                  "Zero3.defers", "Zero3.grad_buffers", "Unit.drop_post",
                  "Unit.reshard_after_forward", "Unit.name"},

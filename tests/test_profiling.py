@@ -177,12 +177,20 @@ def test_marks_and_spans_show_in_a_trace(tmp_path):
     with profile() as prof:
         with marks.mark("all-gather / unit 1"):
             torch.ones(3).sum()
-        span = marks.Span("forward / unit 1")
+        spans = marks.UnitSpans()  # what stage 3 calls at a unit's forward and backward
+        spans("forward", 1)
         torch.ones(3).sum()
-        span.close()
+        spans("forward done", 1)
+        spans("backward", 1)
+        spans("backward", 1)  # one left open by a backward that raised: closed, opened anew
+        spans("backward done", 1)
+        spans("gather", 1)  # no mark of its own (the collective's mark names it)
     prof.export_chrome_trace(str(tmp_path / "t.json"))
-    names = {e.name for e in load_trace(tmp_path / "t.json").events}
-    assert {"all-gather / unit 1", "forward / unit 1"} <= names
+    events = load_trace(tmp_path / "t.json").events
+    names = [e.name for e in events]
+    assert {"all-gather / unit 1", "forward / unit 1"} <= set(names)
+    assert names.count("backward / unit 1") == 2 and "gather / unit 1" not in names
+    assert not spans._open  # every mark it opened was closed
 
 
 def settle_order(tmp_path, late: bool) -> list[tuple[str, bool]]:

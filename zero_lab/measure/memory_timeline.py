@@ -60,9 +60,13 @@ def measure_step(make_model: Callable[[], nn.Module],
               if isinstance(v, torch.Tensor)]  # Adam's m and v, and its 0-d step counters
     start = [*params, *(p.grad for p in params if p.grad is not None), *states,
              *(opt.master_weights or []), x, y]
+    def mark_unit(what: str, u: int) -> None:  # stage 3's gathers, releases and sends
+        if what in ("gather", "release", "reduce_scatter"):
+            timeline.mark(f"{_phase()} {what} {sync.units[u].name}")
+
     with CommLedger() as ledger, MemoryTimeline(device, start) as timeline:
         if stage == 3:
-            sync.on_event = lambda what, unit: timeline.mark(f"{_phase()} {what} {unit}")
+            sync.listeners.append(mark_unit)
         loss = F.mse_loss(model(x), y)
         timeline.mark("forward done")
         loss.backward()
@@ -72,7 +76,8 @@ def measure_step(make_model: Callable[[], nn.Module],
         opt.zero_grad()
         del loss
         timeline.mark("step done")
-        sync.on_event = None
+        if stage == 3:
+            sync.listeners.remove(mark_unit)
     del x, y, start
     batches.clear()  # the caller's list too: `before` counted them
     after = _live(device) if walk_live_tensors else 0

@@ -50,20 +50,25 @@ def mark(name: str) -> contextlib.AbstractContextManager:
     return record_function(name) if profiling() else _NOTHING
 
 
-class Span:
-    """A mark opened in one hook and closed in another (a unit's forward, its backward).
+class UnitSpans:
+    """Stage 3's marks of each unit's forward and backward (a listener of zero3.Zero3): a mark
+    opened at "forward" (its pre-hook) and closed at "forward done" (its post-hook), and at
+    "backward" (the first gradient reaching its outputs) and "backward done" (its last
+    gradient in). Opens nothing unless a profiler is recording."""
 
-    Does nothing unless a profiler was recording when it was opened."""
+    def __init__(self) -> None:
+        self._open: dict[tuple[str, int], record_function] = {}
 
-    def __init__(self, name: str) -> None:
-        self._record = record_function(name) if profiling() else None
-        if self._record is not None:
-            self._record.__enter__()
-
-    def close(self) -> None:
-        if self._record is not None:
-            record, self._record = self._record, None
+    def __call__(self, what: str, u: int) -> None:
+        phase, _, done = what.partition(" ")
+        if phase not in ("forward", "backward"):
+            return
+        record = self._open.pop((phase, u), None)  # done, or left open by a step that raised
+        if record is not None:
             record.__exit__(None, None, None)
+        if not done and profiling():
+            record = self._open[phase, u] = record_function(f"{phase} / unit {u}")
+            record.__enter__()
 
 
 class MarkedWork:

@@ -72,8 +72,6 @@ from functools import partial
 import torch
 from torch import nn
 
-from zero_lab.stages.lockstep import order_fingerprint
-
 GRAD_ACCUMULATION = ("sharded", "unsharded")  # what stages 2 and 3 keep under no_sync
 NO_SYNC_ATTR = "no_sync"  # the method shard() puts on the model
 # What the lockstep check says when only the fingerprint differs (lockstep.py).
@@ -122,8 +120,9 @@ def forward_fingerprint(gathers: list[int], backwards: int, syncs: bool) -> int:
     """Stage 3's lockstep fingerprint of a forward: the units it gathered in order, the
     backwards since the last step, and whether this micro-batch is under no_sync (so ranks
     accumulating differently fail at the forward, before a backward that sends meets one
-    that does not)."""
-    return order_fingerprint([*gathers, -1, backwards, int(syncs)])
+    that does not). One integer: Python's hash of a tuple of ints is the same in every
+    process (only str and bytes hashes are salted)."""
+    return hash((*gathers, -1, backwards, int(syncs)))
 
 
 def describe_forward(names: list[str], backwards: int, syncs: bool) -> str:

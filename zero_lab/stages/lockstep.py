@@ -74,12 +74,6 @@ GATHERS_DIFFER = (
     "all-reduced value)")
 
 
-def order_fingerprint(order: list[int]) -> int:
-    """One integer for a sequence of unit indices (Python's hash of a tuple of ints is the
-    same in every process: only str and bytes hashes are salted)."""
-    return hash(tuple(order))
-
-
 class Lockstep:
     """Compare (phase, steps taken, fingerprint) across the ranks of one process group."""
 

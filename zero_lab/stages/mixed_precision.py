@@ -178,6 +178,9 @@ class ReducedInFp32(FlatParamGroup):
     def reduces_wide(self) -> bool:  # a 16-bit group (an fp32 one is reduced in fp32 anyway)
         return self.dtype != torch.float32
 
+    def new_shard(self, dtype: torch.dtype | None = None, zeroed: bool = True) -> torch.Tensor:
+        return super().new_shard(dtype or torch.float32, zeroed)  # the averaged gradient: fp32
+
     def reduce_scatter(self, shard_out: torch.Tensor, full_in: torch.Tensor,
                        op=dist.ReduceOp.AVG, async_op: bool = False):
         if full_in.dtype == torch.float32:

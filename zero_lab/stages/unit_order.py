@@ -29,7 +29,7 @@ class UnitOrder:
         self._order_lockstep: Lockstep | None = None  # check_order without check_lockstep
         self.forward_order: list[int] | None = None  # recorded on the first forward
         self.backward_order: list[int] | None = None  # recorded on the first backward
-        self._forward_record: list[int] | None = None
+        self._forward_record: list[int] | None = []  # the first forward's, until it ends
         self._backward_record: list[int] = []
         self.gathers: list[int] | None = None  # units this forward gathered, in order
         self._position, self._derailed = 0, False  # where this forward is in `forward_order`
@@ -37,32 +37,28 @@ class UnitOrder:
         self._ahead: dict[str, dict[int, list[int]]] = {"forward": {}, "backward": {}}
 
     def forward_starts(self) -> None:
-        if self.forward_order is None and self._forward_record is None:
-            self._forward_record = []  # the first forward: record it
         self.gathers = []
         self._position, self._derailed = 0, False
 
     def next_units(self, phase: str, u: int) -> list[int]:
-        """Unit u has started `phase`: the units to gather ahead now (recording the first)."""
-        if phase == "forward":
-            if self._forward_record is not None and u not in self._forward_record:
+        """Unit u has started `phase`: the units to gather ahead now. The first forward and
+        the first backward are recorded; a later forward prefetches only while it runs its
+        units in the recorded order (a unit called again prefetches nothing; a unit out of
+        that order ends prefetching for the rest of the forward)."""
+        if phase == "backward":
+            if self.backward_order is None and u not in self._backward_record:
+                self._backward_record.append(u)
+            return self._ahead["backward"].get(u, [])
+        if self._forward_record is not None:  # the first forward: recorded, nothing ahead
+            if u not in self._forward_record:
                 self._forward_record.append(u)
-            return self._ahead["forward"].get(u, []) if self._follows_recorded(u) else []
-        if self.backward_order is None and u not in self._backward_record:
-            self._backward_record.append(u)
-        return self._ahead["backward"].get(u, [])
-
-    def _follows_recorded(self, u: int) -> bool:
-        """Is this forward still running its units in the order the first one recorded?"""
-        order = self.forward_order
-        if order is None or self._derailed:
-            return order is None
-        if self._position < len(order) and order[self._position] == u:
-            self._position += 1
-            return True
-        if u not in order[:self._position]:  # not a second call of a unit: another path
-            self._derailed = True
-        return False
+            return []
+        order, at = self.forward_order, self._position
+        if self._derailed or at >= len(order) or order[at] != u:
+            self._derailed |= u not in order[:at]  # another path, not a second call of a unit
+            return []
+        self._position += 1
+        return self._ahead["forward"].get(u, [])
 
     def before_gather(self, u: int, sync) -> None:
         """Unit u's all-gather is about to go out (`sync`: the stage, zero3.Zero3): in the first

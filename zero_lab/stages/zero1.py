@@ -127,13 +127,9 @@ class Zero1(GradientSync):
         """Start group g's reduce-scatter (its full buffer in, this rank's slice out)."""
         group, buf = self.groups[g], self.grad_buffers[g]
         op = dist.ReduceOp.SUM if self._holds_average else dist.ReduceOp.AVG  # pre-divided
-        owned = group.new_shard(self._slice_dtype(g), zeroed=False)
+        owned = group.new_shard(zeroed=False)  # (fp32 where reduced in fp32)
         work = group.reduce_scatter(owned, buf, op=op, async_op=True)
         self.reductions.send(g, work, buf, owned, keep=None)  # the buffer stays: no limit
-
-    def _slice_dtype(self, g: int) -> torch.dtype | None:
-        """The reduced slice's dtype: fp32 when reduced in fp32 (kept for the optimizer)."""
-        return torch.float32 if self.groups[g].reduces_wide else None
 
     def _land_slice(self, g: int, buf: torch.Tensor, owned: torch.Tensor) -> None:
         """The averaged slice into our part of the buffer (fp32: kept, and its rounding)."""
@@ -188,8 +184,7 @@ class Zero1(GradientSync):
                                    self.groups[g].shard(self.grad_buffers[g]))
         else:
             op = dist.ReduceOp.SUM if self._holds_average else dist.ReduceOp.AVG
-            owned = [group.new_shard(self._slice_dtype(g), zeroed=False)
-                     for g, group in enumerate(self.groups)]
+            owned = [group.new_shard(zeroed=False) for group in self.groups]
             works = [group.reduce_scatter(out, buf, op=op, async_op=True)
                      for group, out, buf in zip(self.groups, owned, self.grad_buffers,
                                                 strict=True)]

@@ -90,12 +90,11 @@ class ShardedGradients:
             self.held[g] = full
             return
         self.held[g] = None  # sent now, freed once sent
-        wide = group.reduces_wide  # reduce_dtype=float32: the average is kept in fp32
         if sync.replicated[g]:  # kept whole on every rank: average the whole gradient
-            owned = full.float() if wide else full
+            owned = full.float() if group.reduces_wide else full  # (reduce_dtype=float32)
             work = group.all_reduce(owned, async_op=True)
         else:
-            owned = group.new_shard(torch.float32 if wide else None, zeroed=False)
+            owned = group.new_shard(zeroed=False)  # (fp32 where reduced in fp32)
             work = group.reduce_scatter(owned, full, op=dist.ReduceOp.AVG, async_op=True)
         self.reductions.send(g, work, full, owned, keep=self.max_in_flight)
 

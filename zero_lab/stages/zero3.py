@@ -69,7 +69,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from zero_lab.profiling.marks import Span
+from zero_lab.profiling.marks import UnitSpans
 from zero_lab.stages.at_rest import label, rest, wake
 from zero_lab.stages.gradient_sync import GradientSync
 from zero_lab.stages.partition import FlatParamGroup, allocate_storage, free_storage
@@ -109,10 +109,10 @@ class ShardedPart:
             self.full_views = group.views(self.full)  # made while the storage exists
             free_storage(self.full)  # nothing gathered yet
         # Where each parameter's local piece sits in `local`: [start, end).
-        spans = [(0, 0)] * len(self.params)
+        ranges = [(0, 0)] * len(self.params)
         for piece in group.shard_pieces():
-            spans[piece.index] = (piece.shard_start, piece.shard_start + piece.numel)
-        self.spans = spans
+            ranges[piece.index] = (piece.shard_start, piece.shard_start + piece.numel)
+        self.ranges = ranges
         self.local_views = self.pieces(local)
         self.work: dist.Work | None = None  # an all-gather in flight (prefetch)
         # reshard_after_forward=d (attach_post_forward_groups): the layout over d ranks, and
@@ -131,7 +131,7 @@ class ShardedPart:
         for a replicated unit, each parameter's full-shaped view of the whole buffer."""
         if self.replicated:
             return self.group.views(shard)
-        return [shard[start:end] for start, end in self.spans]
+        return [shard[start:end] for start, end in self.ranges]
 
     def start_gather(self) -> None:
         """Give `full` its memory back and start the all-gather into it (asynchronously)."""
@@ -263,6 +263,16 @@ class Zero3(GradientSync):
         self.reductions = self.grads.reductions
         self.units = units
         self.reshard_after_forward = reshard_after_forward
+        # What a unit's forward ends with when its backward will come (reshard_after_forward):
+        # release it (True), keep it gathered for that backward (False: 2Ψ a step instead of
+        # 3Ψ), or keep this rank's 1/d of it for backward to gather over d ranks (an int d).
+        if isinstance(reshard_after_forward, bool):
+            self.after_forward = self.release if reshard_after_forward else self._keep_gathered
+        else:
+            self.after_forward = self._keep_1_of_d
+        # reshard_after_forward=d: the units that keep a 1/d copy from forward to backward
+        # (attach_post_forward_groups); a copy whose backward did not come is dropped.
+        self._resharded = [unit for unit in units if unit.post_group is not None]
         self._kept: set[int] = set()  # gathered past their forward (reshard_after_forward)
         self._withheld: set[int] = set()  # kept units whose .grad pieces were not given out
         self.replicated = [unit.replicated for unit in units]
@@ -273,10 +283,12 @@ class Zero3(GradientSync):
         # starts gathering the units its backward runs first.
         self.prefetch_into_backward = False
         self._grads_taken = [False] * len(units)
-        self._spans: dict[tuple[str, int], Span] = {}  # "forward / unit k" marks (profiling)
-        # Teaching hook: called as on_event(what, unit name) at "gather", "release" and
-        # "reduce_scatter" (notebook 05 marks unit boundaries on its memory timeline).
-        self.on_event: Callable[[str, str], None] | None = None
+        # Called as listen(what, u) at unit u's "forward", "forward done", "backward",
+        # "backward done", "gather", "release" and "reduce_scatter" (its gradient handed to
+        # stage 2's path: sent, or under no_sync "unsharded" kept): the profiler's marks
+        # ("forward / unit 3", profiling/marks.py), and notebook 05's memory timeline
+        # (measure/memory_timeline.py) while it records.
+        self.listeners: list[Callable[[str, int], None]] = [UnitSpans()]
         # Frozen parameters (zero3.FrozenPart) may be needed by backward after the unit's last
         # gradient is in (a frozen Linear's grad-input): such a unit is released once the
         # gradients of its inputs are computed (`_pending_inputs` hooks), and the root or a
@@ -321,18 +333,15 @@ class Zero3(GradientSync):
             unit.release()
             self._event("release", u)
 
-    def _open_span(self, phase: str, u: int) -> None:
-        self._close_span(phase, u)  # one left open by a step that raised
-        self._spans[phase, u] = Span(f"{phase} / unit {u}")
-
-    def _close_span(self, phase: str, u: int) -> None:
-        span = self._spans.pop((phase, u), None)
-        if span is not None:
-            span.close()
+    def _release_unkept(self) -> None:
+        """Release every unit but those kept gathered (reshard_after_forward=False)."""
+        for u in range(len(self.units)):
+            if u not in self._kept:
+                self.release(u)
 
     def _event(self, what: str, u: int) -> None:
-        if self.on_event is not None:
-            self.on_event(what, self.units[u].name)
+        for listen in self.listeners:
+            listen(what, u)
 
     # ------------------------------------------------------------------ forward hooks
     def _forward_start(self, root: int | None, module: nn.Module, args) -> None:
@@ -350,7 +359,7 @@ class Zero3(GradientSync):
         self.gather(u)
         for ahead in self.order.next_units("forward", u):  # prefetch (unit_order.py)
             self.gather(ahead, wait=False)
-        self._open_span("forward", u)
+        self._event("forward", u)
 
     def _watch_inputs(self, u: int, module: nn.Module, args, kwargs) -> None:
         """A unit with frozen parameters: its backward is over once its inputs' gradients
@@ -372,26 +381,33 @@ class Zero3(GradientSync):
     def _post_forward(self, u: int, module: nn.Module, args, output) -> None:
         if _in_backward():  # a recomputation inside the unit's backward: keep it gathered
             return
-        self._close_span("forward", u)
+        self._event("forward done", u)
         outputs = ([t for t in _tensors(output) if t.requires_grad]
                    if torch.is_grad_enabled() else [])
-        if outputs and not self.reshard_after_forward:
-            self._kept.add(u)  # stays gathered: its backward needs no second all-gather
-        elif outputs and self.units[u].post_group is not None and self.units[u].gathered:
-            self.units[u].reshard_after_forward()  # 1/d kept: backward gathers over d ranks
-            self._event("release", u)
-        else:
-            self.release(u)
-        if outputs:  # gather again (if released) when backward reaches this unit
+        if outputs:  # its backward will come: gather again (if released) when it reaches u
+            self.after_forward(u)  # release, by default (reshard_after_forward)
             torch.autograd.graph.register_multi_grad_hook(
                 outputs, partial(self._pre_backward, u), mode="any")
+        else:
+            self.release(u)
+
+    def _keep_gathered(self, u: int) -> None:
+        """reshard_after_forward=False: the unit stays gathered; its backward needs no second
+        all-gather."""
+        self._kept.add(u)
+
+    def _keep_1_of_d(self, u: int) -> None:
+        """reshard_after_forward=d: keep this rank's 1/d of the unit; backward gathers over d
+        ranks."""
+        if not self.units[u].gathered:  # (a replicated unit: nothing gathered to keep)
+            return self.release(u)
+        self.units[u].reshard_after_forward()
+        self._event("release", u)
 
     def _forward_end(self, root: int | None, module: nn.Module, args, output) -> None:
         if root is not None:
             self._post_forward(root, module, args, output)
-        for u in range(len(self.units)):  # a prefetch the forward did not use
-            if u not in self._kept:
-                self.release(u)
+        self._release_unkept()  # a unit prefetched for a call that did not come
         self.order.forward_ends(self)  # the first: learnt; every one: the ranks compare it
         backward = self.order.backward_order
         if (self.prefetch_into_backward and backward and torch.is_grad_enabled()
@@ -422,7 +438,7 @@ class Zero3(GradientSync):
         self.gather(u)
         for ahead in self.order.next_units("backward", u):
             self.gather(ahead, wait=False)
-        self._open_span("backward", u)
+        self._event("backward", u)
 
     def _take_grads(self, u: int) -> None:
         """Before unit u's gradients arrive: fold into the gradient slice what was done to
@@ -459,14 +475,13 @@ class Zero3(GradientSync):
         # no longer needed (unless kept for the next micro-batch); the gradient goes out as
         # in stage 2.
         self._take_grads(g)
-        self._close_span("backward", g)
+        self._event("backward done", g)
         if self.reshard_after_forward or self._syncing:  # else kept for the next one
             if g in self._late or self._pending_inputs[g]:
                 self._grads_in.add(g)  # its frozen parameters may still be needed
             else:
                 self.release(g)
-        if not self.defers():
-            self._event("reduce_scatter", g)
+        self._event("reduce_scatter", g)  # (or, under no_sync "unsharded", kept)
         self.grads.send(g)  # REDUCE-SCATTER, as stage 2 sends a bucket
 
     def end_of_backward(self) -> None:
@@ -474,11 +489,9 @@ class Zero3(GradientSync):
             self.on_group_ready(g)
         self.land_reductions()  # wait for the last reduce-scatters
         self._pending_inputs, self._grads_in = [0] * len(self.units), set()
-        for unit in self.units:
+        for unit in self._resharded:
             unit.drop_post()  # a unit whose backward did not come
-        for u in range(len(self.units)):
-            if u not in self._kept:
-                self.release(u)  # a unit prefetched for a backward that did not come
+        self._release_unkept()  # a unit prefetched for a backward that did not come
         self._give_out_grads()
         self._grads_taken = [False] * len(self.units)
         self.order.backward_ends()
@@ -488,7 +501,7 @@ class Zero3(GradientSync):
         self.grads.abandon()
         self._pending_inputs, self._grads_in = [0] * len(self.units), set()
         for u in range(len(self.units)):
-            self._close_span("backward", u)
+            self._event("backward done", u)
             self.release(u)  # gathered for a backward that raised
         self._give_out_grads()
         self._grads_taken = [False] * len(self.units)
@@ -513,7 +526,8 @@ class Zero3(GradientSync):
         no backward) would be stale after the update: release it; the next forward gathers."""
         for u in range(len(self.units)):
             self.release(u)
-            self.units[u].drop_post()
+        for unit in self._resharded:
+            unit.drop_post()
         if self._withheld:
             self._give_out_grads()  # now at rest: each parameter's .grad is its piece
 
