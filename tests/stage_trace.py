@@ -82,7 +82,11 @@ ADD_ON_WORDS = re.compile(
     r"find_unused|has_grad|unsynced|_arrived_here|_arrived_unsynced|agree_on_grads|"
     r"abandon|_checked|_record|_derailed|_position|_gathers|forget_gradients|"
     r"is_compiling|compile|param_gather|rounding|fresh_start|_holds_average|reduce_in_step|"
-    r"variant|_grads_in|step_starts|before_first_collective|listen")
+    r"variant|_grads_in|step_starts|before_first_collective|listen|"
+    # a call into an add-on's module counts as the add-on too: stage 3's unit order and
+    # prefetch (unit_order.py, `self.order.`; a prefetch is a gather with wait=False), and
+    # the overlapped all-gathers' wait (param_gather.py)
+    r"\.order\.|wait=False|prefetch_into_backward|wait_for_params")
 
 
 def classify(rel: str, qualname: str, line: int | None = None) -> str:
