@@ -86,7 +86,7 @@ ADD_ON_WORDS = re.compile(
     # a call into an add-on's module counts as the add-on too: stage 3's unit order and
     # prefetch (unit_order.py, `self.order.`; a prefetch is a gather with wait=False), and
     # the overlapped all-gathers' wait (param_gather.py)
-    r"\.order\.|wait=False|prefetch_into_backward|wait_for_params")
+    r"\.order\.|wait=False|wait_for_params")
 
 
 def classify(rel: str, qualname: str, line: int | None = None) -> str:

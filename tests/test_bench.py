@@ -83,7 +83,6 @@ def test_held_bytes_follow_each_design(result):
                         ("stage1_param_gather", 1), ("stage2_param_gather", 2),
                         ("stage3_noprefetch", 3), ("stage3_checked", 3), ("fsdp2", 3),
                         ("stage3_prefetch2", 3), ("stage3_prefetch5", 3),
-                        ("stage3_into_backward", 3),
                         ("stage1_torch", 1),
                         ("stage2_torch", 2), ("stage3_torch", 3),
                         ("stage1_grad_reduce", 1), ("stage1_overlap", 1),
@@ -111,7 +110,7 @@ def test_bytes_communicated_per_step(result):
             assert comm["volume"] == 2 * 4 * PSI, name  # the paper's 2Ψ (fp32)
             assert comm["sent_bytes"] == 4 * PSI, name  # ring: 2(N-1)/N x Ψ x 4 bytes
     for name in ("stage3", "stage3_noprefetch", "fsdp2", "stage3_torch", "stage3_prefetch2",
-                 "stage3_prefetch5", "stage3_into_backward"):  # 2 AG + 1 RS
+                 "stage3_prefetch5"):  # 2 AG + 1 RS
         for comm in result["systems"][name]["comm"]:
             assert comm["volume"] == 3 * 4 * PSI, name
             assert comm["by_op"]["all_gather"]["count"] == 2 * CONFIG.depth, name

@@ -276,7 +276,7 @@ def test_prefetch_gathers_the_next_unit_before_releasing_the_current(ranks):
 
 # ------------------------------------------------------------------ prefetch depth
 
-PREFETCH_DEPTHS = ("False", "True", "2", "3", "True_into_backward", "2_into_backward")
+PREFETCH_DEPTHS = ("False", "True", "2", "3")
 
 
 def check_prefetch_limit(variant: dict) -> None:
@@ -296,9 +296,9 @@ def check_same_bytes(variant: dict, default: dict) -> None:
 
 
 def test_prefetch_depths_match_one_process_and_send_the_same_bytes(ranks):
-    """prefetch=False, True, 2, 3 (and backward's first units gathered at forward end):
-    equal to one process on the global batch after 3 steps, and a step sends what the
-    default sends: 2 all-gathers and 1 reduce-scatter of each unit (3Ψ)."""
+    """prefetch=False, True, 2, 3: equal to one process on the global batch after 3 steps,
+    and a step sends what the default sends: 2 all-gathers and 1 reduce-scatter of each unit
+    (3Ψ)."""
     n, reports = ranks
     for rep in reports:
         variants = rep["prefetch"]
@@ -327,23 +327,22 @@ def test_prefetch_depth_k_gathers_k_plus_one_units_at_most(ranks):
 
 
 def check_gathers_started(variant: dict) -> None:
-    """Where each of the step's 2 x units all-gathers starts: one per unit in forward and
-    one in backward; with prefetch_into_backward, the first `depth` of backward's start at
-    the end of forward instead."""
-    early = variant["depth"] if variant["into_backward"] else 0
+    """Where each of the step's 2 x units all-gathers starts: one per unit in forward and one
+    in backward, whatever the depth (a prefetch starts a gather earlier, in the same phase)."""
     units = variant["units"]
-    assert variant["gathers_started"] == {"forward": units + early,
-                                          "backward": units - early}, variant
+    assert variant["gathers_started"] == {"forward": units, "backward": units}, variant
 
 
-def test_backward_prefetch_at_forward_end_starts_backwards_first_gathers_there(ranks):
+def test_each_unit_gathers_once_in_forward_and_once_in_backward(ranks):
     n, reports = ranks
     for rep in reports:
         for name in PREFETCH_DEPTHS:
             check_gathers_started(rep["prefetch"][name])
-        # negative control: the default's record, claimed as gathered at forward end
+        # negative control: a record with backward's first gather started at forward end
+        started = rep["prefetch"]["True"]["gathers_started"]
         with pytest.raises(AssertionError):
-            check_gathers_started({**rep["prefetch"]["True"], "into_backward": True})
+            check_gathers_started({**rep["prefetch"]["True"], "gathers_started": {
+                "forward": started["forward"] + 1, "backward": started["backward"] - 1}})
 
 
 def test_limit_check_fails_a_prefetch_that_ignores_the_limit(ranks):

@@ -272,8 +272,6 @@ PREFETCH_WIDTH, PREFETCH_UNITS, PREFETCH_STEPS = 16, 5, 3
 # name: (shard()'s prefetch, options); "unlimited" and "kept" are the checks' mutants
 PREFETCH_VARIANTS = {
     "False": (False, {}), "True": (True, {}), "2": (2, {}), "3": (3, {}),
-    "True_into_backward": (True, {"into_backward": True}),
-    "2_into_backward": (2, {"into_backward": True}),
     "unlimited": (2, {"unlimited": True}),  # prefetch=2, but every later unit gathered ahead
     "kept": (True, {"reshard_after_forward": False}),  # 2Ψ a step: other bytes
 }
@@ -303,10 +301,10 @@ def _ignore_the_limit(sync: Zero3) -> None:
 
 
 def prefetch_limits(rank: int, world: int) -> dict:
-    """Stage 3 with each prefetch depth (and backward's first units gathered at forward end)
-    on a 5-unit MLP of equal units: trained 3 steps against one process on the global batch;
-    the third step's collectives (CommLedger) and the most bytes gathered at once in its
-    forward and its backward (orders are recorded by the first step)."""
+    """Stage 3 with each prefetch depth on a 5-unit MLP of equal units: trained 3 steps
+    against one process on the global batch; the third step's collectives (CommLedger) and
+    the most bytes gathered at once in its forward and its backward (orders are recorded by
+    the first step)."""
     torch.manual_seed(SEED)
     ref = W.deep_mlp(PREFETCH_WIDTH, PREFETCH_UNITS)
     global_batch = partial(_mlp_batch, width=PREFETCH_WIDTH)
@@ -321,7 +319,6 @@ def prefetch_limits(rank: int, world: int) -> dict:
                            optimizer_function("adam"), prefetch=prefetch,
                            reshard_after_forward=options.get("reshard_after_forward", True))
         sync = opt.sync
-        sync.prefetch_into_backward = options.get("into_backward", False)
         if options.get("unlimited"):
             _ignore_the_limit(sync)
         W.train(model, opt, local, W.mse_loss, PREFETCH_STEPS - 1, measure_memory=False)
@@ -336,7 +333,6 @@ def prefetch_limits(rank: int, world: int) -> dict:
             "unit_bytes": sorted({u.group.padded_numel * u.local.element_size()
                                   for u in sync.units}),
             "peak_gathered": seen["peak"], "gathers_started": seen["starts"],
-            "into_backward": sync.prefetch_into_backward,
             "gathered_after": sync.gathered_bytes(),
             "max_abs_diff": max((full[k] - ref_full[k]).abs().max().item() for k in ref_full),
             "collectives": sorted((r.op, r.nbytes) for r in ledger.records),

@@ -114,15 +114,6 @@ def build_zero_lab(model, config: BenchConfig, device, stage: int,
     return Trainer(model, opt, lambda: full_state_dict(model))
 
 
-def build_stage3_into_backward(model, config: BenchConfig, device) -> Trainer:
-    """Stage 3 whose training forward ends by starting the all-gathers of the units its
-    backward runs first (`Zero3.prefetch_into_backward`), instead of waiting for their
-    pre-backward hooks: the same bytes, sent earlier."""
-    trainer = build_zero_lab(model, config, device, stage=3)
-    trainer.optimizer.sync.prefetch_into_backward = True
-    return trainer
-
-
 def build_fsdp2(model, config: BenchConfig, device) -> Trainer:
     """torch's FSDP2: `fully_shard` on every block (each Linear), then on the root; Adam on
     the local shards (DTensors), as torch documents it."""
@@ -165,8 +156,6 @@ SYSTEMS: dict[str, System] = {s.name: s for s in [
     *[System(f"stage3_prefetch{k}", f"zero_lab stage 3, prefetch={k}",
              partial(build_zero_lab, stage=3, prefetch=k), f"zero_lab st. 3\nprefetch={k}")
       for k in (2, 5)],
-    System("stage3_into_backward", "zero_lab stage 3, backward's first unit at forward end",
-           build_stage3_into_backward, "zero_lab st. 3\nprefetch at fwd end"),
     System("stage3_checked", "zero_lab stage 3, check_order=True",
            partial(build_zero_lab, stage=3, check_order=True), "zero_lab st. 3\ncheck_order"),
     System("stage3_unchecked", "zero_lab stage 3, check_lockstep=False",

@@ -279,9 +279,6 @@ class Zero3(GradientSync):
         # The order units run in, learnt in the first step: what each prefetches (`prefetch`
         # units ahead: False 0, True 1), and the ranks' checks that they gather the same units.
         self.order = UnitOrder(units, int(prefetch), check_order)
-        # Measured variant (course/bench_systems.py; not faster): a training forward's end
-        # starts gathering the units its backward runs first.
-        self.prefetch_into_backward = False
         self._grads_taken = [False] * len(units)
         # Called as listen(what, u) at unit u's "forward", "forward done", "backward",
         # "backward done", "gather", "release" and "reduce_scatter" (its gradient handed to
@@ -409,11 +406,6 @@ class Zero3(GradientSync):
             self._post_forward(root, module, args, output)
         self._release_unkept()  # a unit prefetched for a call that did not come
         self.order.forward_ends(self)  # the first: learnt; every one: the ranks compare it
-        backward = self.order.backward_order
-        if (self.prefetch_into_backward and backward and torch.is_grad_enabled()
-                and any(t.requires_grad for t in _tensors(output))):
-            for u in backward[:self.order.depth]:  # backward's first units, from now
-                self.gather(u, wait=False)
 
     def before_first_collective(self, phase: str) -> None:
         """Stage 3 checks at the end of every forward instead (unit_order.py): its
