@@ -396,9 +396,10 @@ class Zero3(GradientSync):
     def _keep_1_of_d(self, u: int) -> None:
         """reshard_after_forward=d: keep this rank's 1/d of the unit; backward gathers over d
         ranks."""
-        if not self.units[u].gathered:  # (a replicated unit: nothing gathered to keep)
+        unit = self.units[u]
+        if unit.post_group is None or not unit.gathered:  # (replicated: nothing to keep)
             return self.release(u)
-        self.units[u].reshard_after_forward()
+        unit.reshard_after_forward()
         self._event("release", u)
 
     def _forward_end(self, root: int | None, module: nn.Module, args, output) -> None:
