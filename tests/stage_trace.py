@@ -39,7 +39,7 @@ MECHANISM = {
     "gradient_sync.py": {"_weak_hook", "GradientSync.gradient_arrived",
                          "GradientSync.queue_backward_callback", "GradientSync.groups_ready",
                          "GradientSync.backward_over", "GradientSync.groups_left",
-                         "GradientSync._first_collective_checked", "GradientSync.before_step",
+                         "GradientSync.before_step",
                          "GradientSync.all_gather_params", "GradientSync.land_reductions",
                          "clear_grads", "FullGradients.__init__", "FullGradients.zero_grad",
                          "FullGradients.adopt", "FullGradients.adopt_all"},

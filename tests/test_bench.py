@@ -152,7 +152,7 @@ def test_lockstep_check_cost_is_reported_for_stage_3(result):
     arrive together, as a share of the best round's step; the unchecked twin has none and
     sends the same data (the check is control, kept out of the ledger's records)."""
     s3, unchecked = result["systems"]["stage3"], result["systems"]["stage3_unchecked"]
-    assert s3["lockstep_latency_ms"] > 0 and s3["lockstep_ms_per_step"] > 0
+    assert s3["lockstep_latency_ms"] > 0
     assert s3["lockstep_share"] == pytest.approx(s3["lockstep_latency_ms"]
                                                  / s3["best_round_ms"])
     assert unchecked["lockstep_latency_ms"] is None and "lockstep_share" not in unchecked

@@ -113,9 +113,6 @@ def summarize(ranks: list[dict], config: BenchConfig) -> dict:
             "max_abs_diff": rank0["max_abs_diff"][name],
             # [rank][round]: CPU ms per step of each rank's process (all its threads)
             "cpu_ms_per_step": [r["cpu_ms_per_step"][name] for r in ranks],
-            # time rank 0 spent inside the lockstep check per timed step: it includes waiting
-            # for the other ranks, which the step's next collective would wait for anyway
-            "lockstep_ms_per_step": rank0.get("lockstep_ms", {}).get(name),
             # one check between ranks that arrive together: what it adds to a step
             "lockstep_latency_ms": rank0.get("lockstep_latency_ms", {}).get(name),
         }
@@ -235,9 +232,7 @@ def markdown_table(result: dict) -> str:
     if share is not None:
         s3 = result["systems"]["stage3"]
         lines += ["", f"Stage 3's lockstep check: {s3['lockstep_latency_ms']:.3f} ms between "
-                      f"ranks arriving together, {100 * share:.2f}% of the best round's step "
-                      f"({s3['lockstep_ms_per_step']:.3f} ms a step inside it, waiting for the "
-                      "slower rank included, which the next collective would wait for anyway)."]
+                      f"ranks arriving together, {100 * share:.2f}% of the best round's step."]
     for stage, gain in (result.get("transport_gain") or {}).items():
         lines += ["", f"Direct exchange, {stage}: best round with torch's collectives / with "
                       f"the direct exchange = {gain:.3f}."]
@@ -358,8 +353,7 @@ def format_targets(result: dict) -> str:
     if share is not None:
         s3 = result["systems"]["stage3"]
         lines.append(f"  stage 3 lockstep check: {s3['lockstep_latency_ms']:.3f} ms between "
-                     f"ranks arriving together, {100 * share:.2f}% of the best round's step "
-                     f"({s3['lockstep_ms_per_step']:.3f} ms a step inside it, waits included)")
+                     f"ranks arriving together, {100 * share:.2f}% of the best round's step")
     for stage, gain in (result.get("transport_gain") or {}).items():
         lines.append(f"  {stage} direct-exchange gain (torch's collectives / direct): {gain:.3f}")
     lines += ["  " + line for line in caveats(result["systems"], result["backend"])]

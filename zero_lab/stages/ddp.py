@@ -64,6 +64,7 @@ class DataParallel(GradientSync):
         self.grads.adopt_all(g)
         if self.defers():  # no_sync: the gradient stays in the buffer, summed locally
             return
+        self.before_first_collective("backward")  # lockstep.py: once a step, before a send
         # reduce_dtype=float32: the buffer widened, reduced and kept in fp32 (land_wide)
         wide = self.grad_buffers[g].float() if self.groups[g].reduces_wide else None
         work = self.groups[g].all_reduce(self.grad_buffers[g] if wide is None else wide,

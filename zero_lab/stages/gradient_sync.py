@@ -169,7 +169,7 @@ class GradientSync:
                 break  # later groups wait for this one: every rank keeps the same order
             ready.append(h)
             self._handed_over += 1
-        return self._first_collective_checked(ready)
+        return ready
 
     def groups_left(self) -> list[int]:
         """At the end of backward: the groups never filled, in order. They hold parameters
@@ -179,12 +179,7 @@ class GradientSync:
         refuse_unfrozen(self.frozen)
         left = self.handover_order[self._handed_over:]
         self._handed_over = len(self.handover_order)
-        return self._first_collective_checked(left)
-
-    def _first_collective_checked(self, groups: list[int]) -> list[int]:
-        if groups and self._handed_over == len(groups) and not self.defers():
-            self.before_first_collective("backward")  # lockstep.py, before the first send
-        return groups
+        return left
 
     def backward_over(self) -> None:
         """The end of `end_of_backward`: which parameters have a gradient now, on every rank
@@ -238,7 +233,8 @@ class GradientSync:
     # ------------------------------------------------------------------ lockstep
     def before_first_collective(self, phase: str) -> None:
         """Stages 0-2: the ranks check they are in lockstep before the first collective of
-        each step (lockstep.py); a different count of backwards is no_sync's mistake."""
+        each step (lockstep.py; called before each send, it checks once a step); a
+        different count of backwards is no_sync's mistake."""
         self.lockstep.once_a_step(phase, why=MICRO_BATCHES_DIFFER)  # (said when accumulating)
 
     def step_starts(self) -> None:

@@ -18,9 +18,9 @@ rank differs, every rank raises the same error naming the ranks and what each wa
 in the step where it happened, before the next collective could pair wrongly.
 
 Where the check goes, so that a rank that drifted still meets the others' check:
-- stages 0-2: before the first collective of each step (the first gradient bucket handed
-  over in backward, a broadcast of changed buffers before forward, or, in an `opt.step()`
-  with no backward since the last step, before the step's all-gather). A rank stepping once
+- stages 0-2: before the first collective of each step (each send of a gradient bucket
+  asks, the first one checks; or a broadcast of changed buffers before forward, or, in an
+  `opt.step()` with no backward since the last step, the step's all-gather). A rank stepping once
   more checks in that extra step; the others check at their next backward: the two checks
   meet, and the phases differ.
 - stage 3: at the end of every forward, after its units were gathered in its order (the
@@ -44,7 +44,6 @@ one size silently, of different sizes with gloo aborting a rank) or waits for ev
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
 
 import torch
@@ -82,7 +81,6 @@ class Lockstep:
         self.device = device
         self.world_size = dist.get_world_size(process_group) if enabled else 1
         self.enabled = self.world_size > 1
-        self.seconds = 0.0  # spent inside check() so far (make bench reports it per step)
         # What a rank counts, checked or not: optimizer steps taken, backwards since the last
         # one (micro-batches under no_sync), and whether this step was checked already.
         self.steps = 0
@@ -121,12 +119,10 @@ class Lockstep:
             return
         mine = torch.tensor([PHASES[phase], self.steps if steps is None else steps, fingerprint],
                             dtype=torch.int64, device=self.device)
-        start = time.perf_counter()
         everyone = mine.new_empty(self.world_size, 3)  # row r: rank r's three integers
         with mark(LOCKSTEP_CHECK), control_message("all_gather", everyone, self.world_size,
                                                     "zero_lab.stages.lockstep"):
             dist.all_gather_single(everyone.view(-1), mine, group=self.process_group)
-        self.seconds += time.perf_counter() - start
         if not torch.equal(everyone, mine.expand_as(everyone)):
             self._differ([tuple(row) for row in everyone.tolist()], detail, why)
 

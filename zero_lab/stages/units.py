@@ -22,7 +22,7 @@ from zero_lab.collectives.ledger import name_level
 from zero_lab.stages.hybrid import HybridMesh
 from zero_lab.stages.mixed_precision import kept_parameter_ids
 from zero_lab.stages.partition import FlatParamGroup
-from zero_lab.stages.zero3 import FrozenPart, Unit
+from zero_lab.stages.zero3 import FrozenPart, ReplicatedUnit, Unit
 
 # Modules that only hold other modules: their children are the units, not they.
 CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.Sequential)
@@ -191,7 +191,7 @@ def make_units(model: nn.Module, unit_classes: Sequence[type] | None, transport:
             group = group_type(params, world, rank, names, transport=transport, **groups)
         del flat
         group.label = f"unit {len(units)}"  # its collectives' names in a profiler trace
-        unit = Unit(name, module, group, local, replicated=whole)
+        unit = (ReplicatedUnit if whole else Unit)(name, module, group, local)
         if compute_dtype is not None:  # one dtype a part: a frozen one of another dtype
             cold = [(n, p) for n, p in cold  # (kept in fp32 by keep_fp32) stays whole
                     if (id(p) in kept) == (stays_fp32 == {True})]

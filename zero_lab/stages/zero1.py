@@ -120,6 +120,7 @@ class Zero1(GradientSync):
     def on_group_ready(self, g: int) -> None:
         if not self.overlap_grad_reduce or self.defers():
             return  # reduced when backward ends (or, under no_sync, kept here)
+        self.before_first_collective("backward")  # lockstep.py: once a step, before a send
         self.grads.adopt_all(g)  # the buffer holds every gradient of g
         self._send(g)
 
@@ -155,7 +156,9 @@ class Zero1(GradientSync):
         if self.defers():  # no_sync: the gradients stay in the full buffer, summed locally
             for g in range(len(self.groups)):
                 self.grads.adopt_all(g)
-        elif self.overlap_grad_reduce:  # sent during backward: land them (or leave them
+            return
+        self.before_first_collective("backward")  # (checked at the first send if overlapped)
+        if self.overlap_grad_reduce:  # sent during backward: land them (or leave them
             self.reductions.land(keep=None if self.overlap_step else 0)  # to opt.step())
             self._holds_average = True  # a later backward adds on top
         elif not self.reduce_in_step:

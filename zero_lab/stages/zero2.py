@@ -50,24 +50,22 @@ class ShardedGradients:
     def __init__(self, sync: GradientSync, max_in_flight: int) -> None:
         self.sync, self.max_in_flight = sync, max_in_flight
         n = len(sync.groups)
-        self.buckets: list[torch.Tensor | None] = [None] * n  # filling this backward
-        # "unsharded" accumulation: each bucket's full gradient summed over the backwards run
-        # under no_sync since the last one sent (None: nothing held).
-        self.held: list[torch.Tensor | None] = [None] * n
+        self.buckets: list[torch.Tensor | None] = [None] * n  # full gradients, filling
+        # "unsharded" accumulation: bucket g was kept past its backward, and holds the full
+        # gradient summed over the backwards run under no_sync since the last one sent.
+        self.held = [False] * n
         self.arrived: list[list[bool]] = [[False] * len(g.params) for g in sync.groups]
         self.reductions = InFlight(self.land)  # sent, not landed
 
     def add(self, g: int, i: int, param: torch.Tensor) -> None:
         """Parameter i of bucket g: its gradient into the bucket's full buffer, then dropped."""
         group = self.sync.groups[g]
-        if self.buckets[g] is None:  # first gradient of this bucket in this backward
-            # add into what no_sync backwards held, or a fresh buffer that every element of
-            # is written (here, or zeroed in send)
-            held = self.held[g]
-            self.buckets[g] = held if held is not None else group.new_full(zeroed=False)
+        if self.buckets[g] is None:  # first gradient of this bucket in this backward: a
+            # fresh buffer, every element of which is written (here, or zeroed in send)
+            self.buckets[g] = group.new_full(zeroed=False)
         offset, numel = group.offsets[i], group.numels[i]
         target = self.buckets[g][offset:offset + numel]
-        if self.held[g] is not None:
+        if self.held[g]:  # what no_sync's backwards held: add to it
             target.add_(param.grad.reshape(-1))
         else:
             target.copy_(param.grad.reshape(-1))
@@ -76,20 +74,23 @@ class ShardedGradients:
 
     def send(self, g: int) -> None:
         """Bucket g is full: REDUCE-SCATTER it (or hold it, under no_sync "unsharded")."""
-        sync, group, held = self.sync, self.sync.groups[g], self.held[g]
-        full = self.buckets[g] if self.buckets[g] is not None else held
-        if full is None:
+        sync, group = self.sync, self.sync.groups[g]
+        full = self.buckets[g]
+        if full is None:  # no parameter of it got a gradient in this backward
             full = group.new_full(zeroed=False)
-        if full is not held:  # a fresh buffer: unused parameters and padding contribute zeros
+        if self.held[g]:  # what no_sync's backwards held: every element written already
+            self.held[g] = False
+        else:  # a fresh buffer: unused parameters and padding contribute zeros
             for i, arrived in enumerate(self.arrived[g]):
                 if not arrived:
                     full[group.offsets[i]:group.offsets[i] + group.numels[i]].zero_()
             full[group.numel:].zero_()  # the padding
-        self.buckets[g], self.arrived[g] = None, [False] * len(group.params)
+        self.arrived[g] = [False] * len(group.params)
         if sync.defers():  # no_sync, "unsharded": keep the full gradient, send it later
-            self.held[g] = full
+            self.buckets[g], self.held[g] = full, True
             return
-        self.held[g] = None  # sent now, freed once sent
+        sync.before_first_collective("backward")  # lockstep.py: once a step, before a send
+        self.buckets[g] = None  # sent now, freed once sent
         if sync.replicated[g]:  # kept whole on every rank: average the whole gradient
             owned = full.float() if group.reduces_wide else full  # (reduce_dtype=float32)
             work = group.all_reduce(owned, async_op=True)
@@ -122,14 +123,19 @@ class ShardedGradients:
         sync = self.sync
         sync.land_reductions()  # overlap_step, no step since: they would land after it
         clear_grads(sync.step_params, set_to_none)  # the owned gradient slices
-        self.held = [None] * len(self.held)  # accumulated under no_sync: dropped too
+        self.buckets, self.held = [None] * len(self.held), [False] * len(self.held)  # (no_sync's)
         sync.forget_gradients(set_to_none)
+
+    def held_buffers(self) -> list[torch.Tensor]:
+        """The full gradients no_sync keeps ("unsharded"): measure/memory.py counts them."""
+        return [full for full, held in zip(self.buckets, self.held, strict=True) if held]
 
     def abandon(self) -> None:
         """A backward raised: buckets already sent land, as gradients; half-filled ones are
         never sent (a held one keeps what it got)."""
         self.reductions.land(keep=0)
-        self.buckets = [None] * len(self.buckets)
+        self.buckets = [full if held else None for full, held in zip(self.buckets, self.held,
+                                                                   strict=True)]
         self.arrived = [[False] * len(g.params) for g in self.sync.groups]
 
 
@@ -173,7 +179,7 @@ class Zero2(GradientSync):
 
     @property
     def grad_buffers(self) -> list[torch.Tensor]:  # held under no_sync: measure/memory.py's
-        return [h for h in self.grads.held if h is not None]
+        return self.grads.held_buffers()
 
     def after_step(self) -> None:
         self.all_gather_params()

@@ -92,22 +92,15 @@ class ShardedPart:
     (`FrozenPart`).
     """
 
-    def __init__(self, unit_name: str, group: FlatParamGroup, local: torch.Tensor,
-                 replicated: bool = False) -> None:
+    replicated = False  # (ReplicatedUnit: kept whole on every rank)
+
+    def __init__(self, unit_name: str, group: FlatParamGroup, local: torch.Tensor) -> None:
         self.group = group
         self.params = group.params
         self.local = local
-        # A replicated unit (shard(..., root_params="replicate")) keeps the whole flat
-        # buffer on every rank: `local` is it, nothing is gathered or freed, and each
-        # parameter keeps its full shape.
-        self.replicated = replicated
-        if replicated:
-            self.full = local
-            self.full_views = group.views(local)
-        else:
-            self.full = group.new_full(local.dtype)
-            self.full_views = group.views(self.full)  # made while the storage exists
-            free_storage(self.full)  # nothing gathered yet
+        self.full = group.new_full(local.dtype)
+        self.full_views = group.views(self.full)  # made while the storage exists
+        free_storage(self.full)  # nothing gathered yet
         # Where each parameter's local piece sits in `local`: [start, end).
         ranges = [(0, 0)] * len(self.params)
         for piece in group.shard_pieces():
@@ -123,20 +116,14 @@ class ShardedPart:
                                          group.shapes, strict=True):
             p.data = piece
             label(p, name, unit_name, shape, local)
-            if not replicated:  # a replicated unit's parameters are whole: never a piece
-                rest(p)
+            rest(p)
 
     def pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
-        """Each parameter's 1-D piece of a slice-sized tensor (the parameters, a gradient);
-        for a replicated unit, each parameter's full-shaped view of the whole buffer."""
-        if self.replicated:
-            return self.group.views(shard)
+        """Each parameter's 1-D piece of a slice-sized tensor (the parameters, a gradient)."""
         return [shard[start:end] for start, end in self.ranges]
 
     def start_gather(self) -> None:
         """Give `full` its memory back and start the all-gather into it (asynchronously)."""
-        if self.replicated:
-            return
         allocate_storage(self.full)
         over, source = (self.group, self.local) if self.post is None else (self.post_group,
                                                                            self.post)
@@ -144,7 +131,7 @@ class ShardedPart:
 
     def finish_gather(self) -> None:
         """Wait for the all-gather; the parameters become views of the full buffer."""
-        if self.work is not None:  # a replicated unit has none to wait for
+        if self.work is not None:
             self.work.wait()
         self.work = None
         self.post = None  # used (or never made)
@@ -154,8 +141,6 @@ class ShardedPart:
 
     def full_copy(self) -> torch.Tensor:
         """A full copy of the flat buffer, out of the lifecycle (an all-gather: every rank)."""
-        if self.replicated:
-            return self.local
         full = self.group.new_full(self.local.dtype)
         self.group.all_gather(full, self.local)
         return full
@@ -173,8 +158,6 @@ class ShardedPart:
         if self.work is not None:  # a prefetched all-gather nobody used
             self.work.wait()
             self.work = None
-        if self.replicated:
-            return
         for p, piece in zip(self.params, self.local_views, strict=True):
             p.data = piece
             rest(p)
@@ -191,8 +174,8 @@ class Unit(ShardedPart):
     ones (`frozen`), which every move of the lifecycle takes along."""
 
     def __init__(self, name: str, module: nn.Module, group: FlatParamGroup,
-                 local: torch.Tensor, replicated: bool = False) -> None:
-        super().__init__(name, group, local, replicated)
+                 local: torch.Tensor) -> None:
+        super().__init__(name, group, local)
         self.name = name
         self.module = module
         self.gathered = False
@@ -237,6 +220,39 @@ class Unit(ShardedPart):
         g = self.group
         return (f"Unit({self.name}: {len(self.params)} params, numel={g.numel}, "
                 f"padded={g.padded_numel}, slice={g.shard_numel})")
+
+
+class ReplicatedUnit(Unit):
+    """A unit kept whole on every rank (shard(..., root_params="replicate")): `local` is the
+    whole flat buffer and `full` too, each parameter keeps its full shape, nothing is gathered
+    (Zero3.gather passes it by) or freed, and its gradient is all-reduced (zero2.py)."""
+
+    replicated = True
+
+    def __init__(self, name: str, module: nn.Module, group: FlatParamGroup,
+                 local: torch.Tensor) -> None:  # a Unit's state, laid out whole
+        self.name, self.module, self.group, self.params = name, module, group, group.params
+        self.local = self.full = local
+        self.full_views = self.local_views = group.views(local)
+        self.gathered, self.frozen, self.work, self.post_group, self.post = (False, None, None,
+                                                                             None, None)
+        for p, view, p_name, shape in zip(self.params, self.full_views, group.names,
+                                          group.shapes, strict=True):
+            p.data = view
+            label(p, p_name, name, shape, local)  # whole: never at rest
+
+    def pieces(self, shard: torch.Tensor) -> list[torch.Tensor]:
+        """Each parameter's full-shaped view of a whole-buffer-sized tensor (a gradient)."""
+        return self.group.views(shard)
+
+    def start_gather(self) -> None:
+        """Nothing to gather: the whole buffer is this rank's own."""
+
+    def release(self) -> None:
+        """Nothing to free."""
+
+    def full_copy(self) -> torch.Tensor:
+        return self.local
 
 
 # ============================================================================ the stage
@@ -415,7 +431,7 @@ class Zero3(GradientSync):
     # ------------------------------------------------------------------ backward
     @property
     def grad_buffers(self) -> list[torch.Tensor]:  # held under no_sync: measure/memory.py's
-        return [h for h in self.grads.held if h is not None]
+        return self.grads.held_buffers()
 
     def on_grad(self, g: int, i: int, param: torch.Tensor) -> None:
         """Parameter i of unit g has its gradient: into the unit's full gradient buffer
@@ -504,7 +520,7 @@ class Zero3(GradientSync):
         """Each parameter's `.grad` becomes its piece of the unit's gradient slice."""
         for u, (unit, step_param) in enumerate(zip(self.units, self.step_params, strict=True)):
             grad = step_param.grad
-            if unit.gathered and not unit.replicated:  # kept: full-shaped parameters
+            if unit.gathered:  # kept (a replicated unit is never gathered): full-shaped
                 pieces = [None] * len(unit.params)  # the slice keeps the sum meanwhile
                 self._withheld.add(u)
             else:

@@ -55,11 +55,8 @@ class Run:
     def __init__(self, name: str, trainer: Trainer, config: BenchConfig, info) -> None:
         self.name, self.trainer, self.config, self.info = name, trainer, config, info
         self.steps_done = 0
-        # zero_lab's lockstep check (stages/lockstep.py), if this system has one: the time
-        # spent inside it over the timed steps
-        sync = getattr(trainer.optimizer, "sync", None)
-        self.lockstep = getattr(sync, "lockstep", None)
-        self.lockstep_s, self.timed = 0.0, 0
+        # zero_lab's lockstep check (stages/lockstep.py), if this system has one
+        self.lockstep = getattr(getattr(trainer.optimizer, "sync", None), "lockstep", None)
         self.cpu_ms_per_step: list[float] = []  # this rank's, one per timed block (round)
 
     def batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -92,7 +89,6 @@ class Run:
         one barrier, `steps` steps back to back, the last one also waiting for what it left
         in flight (zero_lab/measure/step_timing.py: a barrier before each step hid the overlapped
         stages' all-gathers)."""
-        inside_before = self.lockstep.seconds if self.lockstep else 0.0
         model, opt = self.trainer.model, self.trainer.optimizer
         batches = [self.batch(self.steps_done + i) for i in range(steps)]
 
@@ -104,9 +100,6 @@ class Run:
                                      now=lambda: _now(self.info.device))
         self.cpu_ms_per_step.append(1e3 * cpu.seconds / steps)
         self.steps_done += steps
-        if self.lockstep:
-            self.lockstep_s += self.lockstep.seconds - inside_before
-            self.timed += steps
         return rows
 
     def measured_step(self) -> tuple[dict, int, dict]:
@@ -230,10 +223,7 @@ def main() -> None:
             "cores": available_cores()}
     if info.rank == 0:
         data.update({"timing": timing, "order": order, "max_abs_diff": max_abs_diff,
-                     "profiles": profiles,
-                     "lockstep_ms": {run.name: 1e3 * run.lockstep_s / run.timed
-                                     for run in runs if run.lockstep and run.timed},
-                     "lockstep_latency_ms": latency})
+                     "profiles": profiles, "lockstep_latency_ms": latency})
         print(f"{len(runs)} systems x {config.rounds} rounds done; "
               f"max |w - w_{runs[0].name}| = {max(max_abs_diff.values()):.2e}")
     report(data)
