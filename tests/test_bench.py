@@ -159,6 +159,10 @@ def test_lockstep_check_cost_is_reported_for_stage_3(result):
     assert [c["volume"] for c in unchecked["comm"]] == [c["volume"] for c in s3["comm"]]
     assert result["lockstep_cost"] == pytest.approx(s3["best_round_ms"]
                                                     / unchecked["best_round_ms"])
+    said = f"Stage 3's default lockstep check: best round with / without = " \
+           f"{result['lockstep_cost']:.3f}"
+    for text in (Path(result["paths"]["markdown"]).read_text(), bench.format_targets(result)):
+        assert said in text and "Stage 3's lockstep check: " in text  # both outputs say both
 
 
 def test_cpu_work_and_its_floor_are_reported_for_every_system(result):

@@ -219,23 +219,8 @@ def markdown_table(result: dict) -> str:
         lines.append(f"| {s['label']} | " + " | ".join(
             f"{best[p]:.1f} ({fastest[p]:.1f})" for p in PHASES) + " |")
     lines += _cpu_table(result) + ["", *caveats(result["systems"], result["backend"])]
-    if result.get("prefetch_gain"):
-        lines += ["", f"Stage 3's prefetch: best round without / with = "
-                      f"{result['prefetch_gain']:.3f}."]
-    if result.get("check_order_cost"):
-        lines += ["", f"Stage 3's check_order: best round with / without = "
-                      f"{result['check_order_cost']:.3f}."]
-    if result.get("lockstep_cost"):
-        lines += ["", f"Stage 3's default lockstep check: best round with / without = "
-                      f"{result['lockstep_cost']:.3f}."]
-    share = result["systems"].get("stage3", {}).get("lockstep_share")
-    if share is not None:
-        s3 = result["systems"]["stage3"]
-        lines += ["", f"Stage 3's lockstep check: {s3['lockstep_latency_ms']:.3f} ms between "
-                      f"ranks arriving together, {100 * share:.2f}% of the best round's step."]
-    for stage, gain in (result.get("transport_gain") or {}).items():
-        lines += ["", f"Direct exchange, {stage}: best round with torch's collectives / with "
-                      f"the direct exchange = {gain:.3f}."]
+    for sentence in comparisons(result):
+        lines += ["", sentence + "."]
     lines += ["", "| target | ratio of best rounds | per round: median (range) | limit | met | "
               "CPU floor / baseline |", "| --- | ---: | ---: | ---: | --- | ---: |"]
     for t in result["targets"]:
@@ -244,6 +229,23 @@ def markdown_table(result: dict) -> str:
                      f"{spread(t['round_ratios'], decimals=3)} | {t['limit']} | "
                      f"{'yes' if t['met'] else 'NO'} | {floor} |")
     return "\n".join(lines) + "\n"
+
+
+def comparisons(result: dict) -> list[str]:
+    """One sentence per twin the run compared (stage 3's prefetch, check_order and lockstep
+    check; the direct exchange against torch's collectives), as ratios of best rounds."""
+    said = [f"Stage 3's {what}: best round {how} = {result[key]:.3f}" for key, what, how in (
+        ("prefetch_gain", "prefetch", "without / with"),
+        ("check_order_cost", "check_order", "with / without"),
+        ("lockstep_cost", "default lockstep check", "with / without")) if result.get(key)]
+    s3 = result["systems"].get("stage3", {})
+    if s3.get("lockstep_share") is not None:
+        said.append(f"Stage 3's lockstep check: {s3['lockstep_latency_ms']:.3f} ms between "
+                    f"ranks arriving together, {100 * s3['lockstep_share']:.2f}% of the best "
+                    "round's step")
+    return said + [f"Direct exchange, {stage}: best round with torch's collectives / with the "
+                   f"direct exchange = {gain:.3f}"
+                   for stage, gain in (result.get("transport_gain") or {}).items()]
 
 
 def _cpu_table(result: dict) -> list[str]:
@@ -340,23 +342,8 @@ def format_targets(result: dict) -> str:
         lines.append(f"  {t['system']} / {t['baseline']}: {t['ratio']:.3f} "
                      f"(target <= {t['limit']}) {verdict}; per round "
                      f"{spread(t['round_ratios'], decimals=3)}{floor}")
-    if result.get("prefetch_gain"):
-        lines.append(f"  stage 3 prefetch gain (no prefetch / prefetch): "
-                     f"{result['prefetch_gain']:.3f}")
-    if result.get("check_order_cost"):
-        lines.append(f"  stage 3 check_order cost (with / without): "
-                     f"{result['check_order_cost']:.3f}")
-    if result.get("lockstep_cost"):
-        lines.append(f"  stage 3 lockstep check cost (with / without): "
-                     f"{result['lockstep_cost']:.3f}")
-    share = result["systems"].get("stage3", {}).get("lockstep_share")
-    if share is not None:
-        s3 = result["systems"]["stage3"]
-        lines.append(f"  stage 3 lockstep check: {s3['lockstep_latency_ms']:.3f} ms between "
-                     f"ranks arriving together, {100 * share:.2f}% of the best round's step")
-    for stage, gain in (result.get("transport_gain") or {}).items():
-        lines.append(f"  {stage} direct-exchange gain (torch's collectives / direct): {gain:.3f}")
-    lines += ["  " + line for line in caveats(result["systems"], result["backend"])]
+    lines += ["  " + line for line in comparisons(result) + caveats(result["systems"],
+                                                                    result["backend"])]
     return "\n".join(lines)
 
 
