@@ -212,12 +212,13 @@ def test_each_case_is_judged_on_its_own_for_partial_credit(graded, capsys):
                                        "rank 1: the rank reported nothing for this case"),
     (lambda r: r[0]["results"][0].update(output="17"), "case 1/5 .*could not be read"),
     (lambda r: r[0]["results"][0].update(output=[None]), "case 1/5 .*could not be read"),
+    (lambda r: r[0]["results"][0].update(output=[True]), "case 1/5 .*could not be read"),
     (lambda r: r[2]["results"][3].pop("sent_bytes"), "case 4/5 .*could not be read"),
     (lambda r: r[0]["results"][0].update(ops=7), "case 1/5 .*could not be read"),
     (lambda r: r[0].update(world_size="many"), "the launch: the ranks' report could not"),
     (lambda r: r.pop(), "the launch: the ranks' report could not be read"),
     (lambda r: r[0]["results"][1].update(output=[float("nan")] * 5), "(?s)case 2/5 .*expected"),
-], ids=["missing-case", "str", "none", "no-bytes", "ops", "world", "a-rank-short", "nan"])
+], ids=["missing-case", "str", "none", "bool", "no-bytes", "ops", "world", "a-rank-short", "nan"])
 def test_a_malformed_report_fails_the_check_cleanly(graded, corrupt, message):
     bad = copy.deepcopy(reports(graded, reference_ring_reduce_scatter))
     corrupt(bad)

@@ -388,6 +388,7 @@ def _reference_reports(graded):
     (lambda reps: reps[1]["results"].pop(), "case 3 .*rank 1: the rank reported nothing"),
     (lambda reps: reps[0]["results"][0].update(values="junk"), "could not be read"),
     (lambda reps: reps[0]["results"][0].update(values=[[1.0]] * 2), "differ from the full"),
+    (lambda reps: reps[0]["results"][0].update(values=[[True]] * 2), "could not be read"),
     (lambda reps: reps[2]["results"][1].update(freed_bytes="lots"), "could not be read"),
     (lambda reps: reps[0]["results"][2].pop("grads"), "wrong gradients"),
     (lambda reps: reps[0]["results"][0]["materialize_comm"].append(7), "could not be read"),

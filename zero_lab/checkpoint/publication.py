@@ -45,9 +45,9 @@ STEPS = ("step directory in place", "latest written", "latest replaced", "previo
 INSIDE = re.compile(rf"\.{pointer.LATEST}-[0-9a-f]+|{pointer.STEP.pattern}")
 
 
-def fsync_file(path: Path) -> None:
+def fsync_file(path: Path, flags: int = 0) -> None:
     """Force a file's bytes to disk."""
-    fd = os.open(path, os.O_RDONLY)
+    fd = os.open(path, os.O_RDONLY | flags)
     try:
         os.fsync(fd)
     finally:
@@ -56,11 +56,7 @@ def fsync_file(path: Path) -> None:
 
 def fsync_dir(path: Path) -> None:
     """Force a directory's entries (the names in it) to disk."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+    fsync_file(path, getattr(os, "O_DIRECTORY", 0))
 
 
 def hidden(directory: Path, kind: str, token: str) -> Path:

@@ -102,6 +102,16 @@ def _ring_all_gather_chunks(chunks: Sequence[torch.Tensor], after_step=None) -> 
             after_step("all-gather", step)
 
 
+def _check_sizes(whole: torch.Tensor, part: torch.Tensor, n: int, whole_name: str,
+                 part_name: str) -> None:
+    """`whole` must hold N chunks of `part`'s size, of the same dtype."""
+    if whole.numel() != n * part.numel():
+        raise ValueError(f"{whole_name} must have world_size x {part_name}.numel() = {n} x "
+                         f"{part.numel()} elements, got {whole.numel()}")
+    if whole.dtype != part.dtype:
+        raise ValueError(f"dtypes differ: {whole_name} {whole.dtype}, {part_name} {part.dtype}")
+
+
 def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
     """Like `dist.reduce_scatter_single(output, input)` (SUM), on isend/irecv only.
 
@@ -109,13 +119,7 @@ def ring_reduce_scatter(output: torch.Tensor, input: torch.Tensor) -> None:
     `output` receives the sum over ranks of chunk r. `input` is not modified.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
-    if input.numel() != n * output.numel():
-        raise ValueError(
-            f"input must have world_size x output.numel() = {n} x {output.numel()} elements, "
-            f"got {input.numel()}"
-        )
-    if input.dtype != output.dtype:
-        raise ValueError(f"dtypes differ: input {input.dtype}, output {output.dtype}")
+    _check_sizes(input, output, n, "input", "output")
     if output.numel() == 0:
         return
     scratch = input.detach().reshape(-1).clone()  # partial sums grow here, not in `input`
@@ -130,13 +134,7 @@ def ring_all_gather(output: torch.Tensor, input: torch.Tensor) -> None:
     `output` (N x `input.numel()` elements) receives every rank's `input`, in rank order.
     """
     rank, n = dist.get_rank(), dist.get_world_size()
-    if output.numel() != n * input.numel():
-        raise ValueError(
-            f"output must have world_size x input.numel() = {n} x {input.numel()} elements, "
-            f"got {output.numel()}"
-        )
-    if input.dtype != output.dtype:
-        raise ValueError(f"dtypes differ: input {input.dtype}, output {output.dtype}")
+    _check_sizes(output, input, n, "output", "input")
     if input.numel() == 0:
         return
     # Receive straight into `output` when it is one contiguous block, else via a buffer.

@@ -30,6 +30,7 @@ from zero_lab.grading.rank_reports import (
     case_record,
     chosen_cases,
     close,
+    numbers,
     passed_cases,
     readable,
     world_size,
@@ -103,10 +104,10 @@ def _judge_case(name: str, where: str, case: RingCase, n: int, rank: int, record
         fail(name, f"{where}: your function called {', '.join(collectives)}",
              "build it from dist.isend / dist.irecv only: the point is to see how "
              "torch's collective works inside")
-    if _numbers(record["input_after"]) != inputs[rank].reshape(-1).double().tolist():
+    if numbers(record["input_after"]) != inputs[rank].reshape(-1).double().tolist():
         fail(name, f"{where}: `input` was modified",
              "accumulate partial sums in a copy (input.clone()), as torch does")
-    got, expected = _numbers(record["output"]), reduce_scatter_sum(inputs, rank)
+    got, expected = numbers(record["output"]), reduce_scatter_sum(inputs, rank)
     tol = TOLERANCE[case.dtype]
     if not close(got, expected, tol, tol):
         detail = (f"{where}\n  expected (first values): {_shown(expected, case)}"
@@ -128,18 +129,6 @@ def _judge_case(name: str, where: str, case: RingCase, n: int, rank: int, record
         fail(name, f"{where}: right values, but this rank sent {sent:.0f} bytes; the ring "
                    f"sends exactly (N-1)/N of the input = {expected_sent} bytes",
              "send one chunk (input.numel() / N elements) per step, N - 1 steps")
-
-
-# Reading the reports: plain Python on plain values, no comparison a learner could replace.
-
-
-def _numbers(value) -> list[float]:
-    """A reported flat list of numbers, as floats; ValueError for anything else."""
-    if not isinstance(value, list):
-        raise ValueError(f"not a list of numbers: {str(value)[:40]!r}")
-    if any(isinstance(v, bool) or not isinstance(v, int | float) for v in value):
-        raise ValueError("a value that is not a number")
-    return [float(v) for v in value]
 
 
 def _shown(values: list[float], case: RingCase) -> list:

@@ -25,9 +25,12 @@ from zero_lab.course.rank_cases.zero3 import (
 )
 from zero_lab.grading.framework import SUMMED_NOT_AVERAGED_HINT, fail, first_values_differ, passed
 from zero_lab.grading.rank_reports import (
+    as_comm,
     case_record,
     chosen_cases,
     close,
+    ints,
+    numbers,
     passed_cases,
     readable,
     world_size,
@@ -62,34 +65,6 @@ MATERIALIZE_RELEASE = RankExercise("zero3_exercises.py", "materialize_release",
                                    _bare_unit_probe, materialize_release_cases)
 POST_BACKWARD = RankExercise("zero3_exercises.py", "post_backward", lambda: (_probe_unit(),),
                              post_backward_cases)
-
-
-# ------------------------------------------------------------------ reading the reports
-# Plain Python on plain values: no torch comparison a learner's code could have replaced.
-
-
-def _floats(value) -> list[float]:
-    """A reported number or (nested) list of numbers, flat, as floats; ValueError otherwise."""
-    if isinstance(value, list):
-        return [x for v in value for x in _floats(v)]
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ValueError(f"not a number: {str(value)[:40]!r}")
-    return [float(value)]
-
-
-def _ints(value) -> list[int]:
-    """A reported shape (a list of ints); ValueError otherwise."""
-    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int)
-                                          for v in value):
-        raise ValueError(f"not a list of ints: {str(value)[:40]!r}")
-    return list(value)
-
-
-def _comm(value) -> list[dict]:
-    """The reported collectives, as {"op": str, "nbytes": int}."""
-    if not isinstance(value, list):
-        raise ValueError("the collectives are not a list")
-    return [{"op": str(c["op"]), "nbytes": int(c["nbytes"])} for c in value]
 
 
 def _close(got: list[float], expected: list[float]) -> bool:
@@ -147,7 +122,7 @@ def _judge_unit(name: str, where: str, case: UnitCase, n: int, rank: int, r: dic
                 shapes: list, values: list, full, grads: list) -> None:
     s = shard_numel(case, n)
     padded = s * n * 8
-    if [_ints(x) for x in r["shapes"]] != shapes:
+    if [ints(x) for x in r["shapes"]] != shapes:
         fail(name, f"{where}: after materialize the parameters do not have their full "
                    "shapes", "set each p.data to its view in unit.full_views")
     got = r["values"]
@@ -157,7 +132,7 @@ def _judge_unit(name: str, where: str, case: UnitCase, n: int, rank: int, r: dic
         fail(name, f"{where}: after materialize the parameters' memory is freed",
              "give unit.full its memory back (allocate_storage(unit.full)), then all-gather "
              "every rank's slice into it: dist.all_gather_single(unit.full, unit.local)")
-    if any(_floats(v) != e for v, e in zip(got, values, strict=True)):
+    if any(numbers(v) != e for v, e in zip(got, values, strict=True)):
         fail(name, f"{where}: after materialize the parameters differ from the full "
                    "model's", "all-gather every rank's slice (unit.local) into "
                               "unit.full: dist.all_gather_single(unit.full, unit.local)")
@@ -168,13 +143,13 @@ def _judge_unit(name: str, where: str, case: UnitCase, n: int, rank: int, r: dic
              "gather into unit.full itself (after allocate_storage(unit.full)), not into "
              "a new tensor: autograd keeps views of the first one (weight.t(), ...), "
              "and only a refill of that same storage reaches them for backward")
-    comm = _comm(r["materialize_comm"])
+    comm = as_comm(name, where, r["materialize_comm"])
     if [(c["op"], c["nbytes"]) for c in comm] != [("all_gather", padded)]:
         fail(name, f"{where}: materialize sent {comm_summary(comm)}; expected one "
                    f"all_gather of the padded buffer ({padded} bytes)",
              "one dist.all_gather_single of the whole flat buffer, not one collective "
              "per parameter or N broadcasts")
-    released = _comm(r["release_comm"])
+    released = as_comm(name, where, r["release_comm"])
     if released:
         fail(name, f"{where}: release sent {comm_summary(released)}",
              "releasing needs no communication: every rank keeps its own slice")
@@ -191,17 +166,17 @@ def _judge_unit(name: str, where: str, case: UnitCase, n: int, rank: int, r: dic
              "free_storage(unit.full)")
 
     def facts(items) -> list:  # [shape, storage address, data address] per tensor
-        return [[_ints(shape), int(storage), int(ptr)] for shape, storage, ptr in items]
+        return [[ints(shape), int(storage), int(ptr)] for shape, storage, ptr in items]
 
     if facts(r["released"]) != facts(r["pieces"]) or len(r["pieces"]) != len(shapes):
         fail(name, f"{where}: after release the parameters are not their local pieces",
              "set each p.data back to its piece in unit.local_views")
     local = r["local"]
-    if local is None or _floats(local) != full[rank * s:(rank + 1) * s].tolist():
+    if local is None or numbers(local) != full[rank * s:(rank + 1) * s].tolist():
         fail(name, f"{where}: unit.local changed", "never write into the local slice")
     got_grads = r.get("grads")
     if not isinstance(got_grads, list) or len(got_grads) != len(grads) or any(
-            g is None or not _close(_floats(g), e)
+            g is None or not _close(numbers(g), e)
             for g, e in zip(got_grads, grads, strict=True)):
         fail(name, f"{where}: backward after the second materialize gave wrong "
                    "gradients", "materialize must refill the same storage each time")
@@ -256,9 +231,9 @@ def _judge_call(name: str, where: str, case: UnitCase, n: int, rank: int, i: int
     s = shard_numel(case, n)
     padded_bytes, shard_bytes = s * n * 8, s * 8
     slices = {key: t.tolist() for key, t in reduced_slices(case, i, rank, n).items()}
-    comm = _comm(call["comm"])
-    shape = None if call["grad_shape"] is None else _ints(call["grad_shape"])
-    got = None if call["grad"] is None else _floats(call["grad"])
+    comm = as_comm(name, where, call["comm"])
+    shape = None if call["grad_shape"] is None else ints(call["grad_shape"])
+    got = None if call["grad"] is None else numbers(call["grad"])
     fits = shape == [s] and got is not None and len(got) == s
     if not (fits and _close(got, slices["mean"])):
         if got is not None:
@@ -293,8 +268,8 @@ def _judge_call(name: str, where: str, case: UnitCase, n: int, rank: int, i: int
         fail(name, f"{where}: expected one reduce_scatter of the padded buffer "
                    f"({padded_bytes} bytes); got {comm_summary(comm)}",
              "reduce-scatter unit.full_grad itself: no copies, no concatenation")
-    param_shapes = [_ints(x) for x in call["param_shapes"]]
-    if int(call["full_bytes"]) != 0 or param_shapes != [_ints(x) for x in call["piece_shapes"]]:
+    param_shapes = [ints(x) for x in call["param_shapes"]]
+    if int(call["full_bytes"]) != 0 or param_shapes != [ints(x) for x in call["piece_shapes"]]:
         fail(name, f"{where}: the unit's full parameters are still gathered",
              "the unit's backward is over: call unit.release()")
     if call["full_grad_set"] is not False:

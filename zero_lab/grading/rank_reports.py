@@ -93,20 +93,34 @@ def as_floats(name: str, where: str, value: Any, length: int, what: str) -> torc
 def close(got: Any, expected: Any, rtol: float, atol: float) -> bool:
     """Every value within atol + rtol * |expected| of its expected one, NaN never, compared in
     plain Python: no torch.allclose that code run in this process could have replaced."""
-    got, expected = _numbers(got), _numbers(expected)
+    got, expected = numbers(got), numbers(expected)
     return len(got) == len(expected) and all(
         abs(g - e) <= atol + rtol * abs(e) for g, e in zip(got, expected, strict=True))
 
 
 def same(got: Any, expected: Any) -> bool:
     """Exactly the same values, compared in plain Python (see `close`)."""
-    return _numbers(got) == _numbers(expected)
+    return numbers(got) == numbers(expected)
 
 
-def _numbers(values: Any) -> list[float]:
-    if isinstance(values, torch.Tensor):
-        values = values.detach().reshape(-1).tolist()
-    return [float(v) for v in values]
+def numbers(value: Any) -> list[float]:
+    """A reported number, (nested) list of numbers or tensor, flat, as floats; ValueError for
+    anything else (a bool is not a number)."""
+    if isinstance(value, torch.Tensor):
+        value = value.detach().reshape(-1).tolist()
+    if isinstance(value, list | tuple):
+        return [x for v in value for x in numbers(v)]
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ValueError(f"not a number: {str(value)[:40]!r}")
+    return [float(value)]
+
+
+def ints(value: Any) -> list[int]:
+    """A reported shape (a list of ints); ValueError otherwise."""
+    if not isinstance(value, list) or any(isinstance(v, bool) or not isinstance(v, int)
+                                          for v in value):
+        raise ValueError(f"not a list of ints: {str(value)[:40]!r}")
+    return list(value)
 
 
 def as_count(name: str, where: str, value: Any, what: str) -> int:

@@ -75,13 +75,15 @@ def accumulation_messages(stage: int, psi_bytes: int, k: int, world_size: int, *
         backward_gathers = 0 if kept else k
         passes["all_gather"] = forward_gathers + backward_gathers
         passes["reduce_scatter"] = sends
-    out = {}
-    for op, times in passes.items():
-        nbytes = times * psi_bytes
-        out[op] = {"count": times * n_groups, "nbytes": nbytes,
-                   "sent_bytes": ring_bytes_sent(op, nbytes, world_size),
-                   "volume": zero_volume(op, nbytes)}
-    return out
+    return _messages(passes, psi_bytes, n_groups, world_size)
+
+
+def _messages(passes: dict[str, int], psi_bytes: int, n_groups: int,
+              world_size: int) -> dict[str, dict[str, float]]:
+    """{op: times Ψ goes through it} -> {op: {"count", "nbytes", "sent_bytes", "volume"}}."""
+    return {op: {"count": times * n_groups, "nbytes": times * psi_bytes,
+                 "sent_bytes": ring_bytes_sent(op, times * psi_bytes, world_size),
+                 "volume": zero_volume(op, times * psi_bytes)} for op, times in passes.items()}
 
 
 def accumulation_volume(stage: int, k: int, **options) -> float:
@@ -107,11 +109,5 @@ def fsdp2_accumulation_messages(psi_bytes: int, k: int, world_size: int, *,
         return {}
     forward_gathers = 1 + (k - 1) * reshard_after_backward
     backward_gathers = k * reshard_after_forward
-    out = {}
-    for op, times in (("all_gather", forward_gathers + backward_gathers),
-                      ("reduce_scatter", 1)):
-        nbytes = times * psi_bytes
-        out[op] = {"count": times * n_groups, "nbytes": nbytes,
-                   "sent_bytes": ring_bytes_sent(op, nbytes, world_size),
-                   "volume": zero_volume(op, nbytes)}
-    return out
+    return _messages({"all_gather": forward_gathers + backward_gathers, "reduce_scatter": 1},
+                     psi_bytes, n_groups, world_size)
