@@ -10,7 +10,8 @@ root beside a trainable gain, a trainable head), stage 3 on 2 gloo ranks, 3 step
   unchanged;
 - one step's all-gathers carry the frozen parameters (twice a unit: forward and backward)
   and its reduce-scatters do not (no gradient, no optimizer state);
-- zero_lab.checkpoint saves them whole and loads each rank's piece back.
+- zero_lab.checkpoint saves them whole and loads each rank's piece back, as
+  model.load_state_dict of the full weights does.
 In the launch of world_cases.py on 2 ranks, with tests/test_precision_masters.py's cases.
 """
 
@@ -59,6 +60,14 @@ def test_a_checkpoint_holds_the_frozen_parameters_whole(reports):
     rank its piece back (into a model initialised otherwise); consolidate has it whole."""
     for rep in reports:
         assert rep["checkpoint_exact"] and rep["consolidated_exact"]
+
+
+def test_load_state_dict_of_the_full_weights_gives_each_rank_its_frozen_pieces(reports):
+    """model.load_state_dict(W) at stage 3: torch copies this rank's piece of each frozen
+    parameter too (a full one would not fit its 1-D piece), into a model initialised
+    otherwise."""
+    for rep in reports:
+        assert rep["load_state_dict_exact"]
 
 
 def test_gathers_carry_the_frozen_parameters_and_reduce_scatters_do_not(reports):

@@ -291,6 +291,15 @@ def test_shard_needs_a_process_group():
         shard(W.deep_mlp(4, 1), 1)
 
 
+@pytest.mark.parametrize("flag", ["find_unused_parameters", "broadcast_buffers", "check_lockstep",
+                                  "check_order", "overlap_param_gather", "overlap_grad_reduce",
+                                  "overlap_step"])
+def test_a_flag_that_is_not_a_bool_is_refused_by_name_first(flag):
+    for value in (1, "yes"):
+        with pytest.raises(TypeError, match=f"^{flag} must be True or False, got {value!r}$"):
+            shard(W.deep_mlp(4, 1), 1, **{flag: value})
+
+
 # ------------------------------------------------------------------ workloads, one process
 
 

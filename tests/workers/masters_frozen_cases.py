@@ -253,7 +253,13 @@ def frozen_stage3(rank: int, world: int) -> dict:
     checkpoint.load(other, other_opt, where / "ckpt")
     loaded = full_state_dict(other)
     whole = checkpoint.consolidate(where / "ckpt")
+    # model.load_state_dict of the full weights: each rank keeps its piece of every parameter
+    torch.manual_seed(5)
+    third, _ = shard(LoRANet(), 3, lambda ps: torch.optim.Adam(ps, lr=1e-2))
+    third.load_state_dict(full)
+    from_dict = full_state_dict(third)
     return {"checkpoint_exact": all(torch.equal(loaded[k], full[k]) for k in full),
+            "load_state_dict_exact": all(torch.equal(from_dict[k], full[k]) for k in full),
             "consolidated_exact": all(torch.equal(whole[k], full[k]) for k in full),
             "at_rest": {m: sum(b.values()) for m, b in storages.items()},
             "frozen_numel": {m: sum(p.numel() for p in base.get_submodule(m).parameters())

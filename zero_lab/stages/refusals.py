@@ -34,10 +34,13 @@ STAGES = (0, 1, 2, 3)
 ZERO1_VARIANTS = ("reduce_scatter", "all_reduce")  # stage 1 sends 2Ψ, or the seed notes' 3Ψ
 ROOT_PARAMS = ("shard", "replicate")  # stage 3: what becomes of parameters no unit claims
 SHARDED_ATTR = "_zero_lab_sharded"  # set on a sharded model: the object behind full_state_dict
+# shard()'s options that are True or False (overlap_grad_reduce may also be None: the stage's way)
+FLAGS = ("find_unused_parameters", "broadcast_buffers", "check_lockstep", "check_order",
+         "overlap_param_gather", "overlap_grad_reduce", "overlap_step")
 
 
 def check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_variant,
-                     unit_classes, find_unused_parameters, check_order, root_params) -> None:
+                     unit_classes, check_order, root_params) -> None:
     if type(stage) is not int or stage not in STAGES:  # not True, not 1.0
         raise ValueError(f"stage must be one of the ints {STAGES}, got {stage!r}")
     if precision not in PRECISIONS:
@@ -51,11 +54,6 @@ def check_arguments(stage, bucket_mb, prefetch, precision, transport, zero1_vari
         raise ValueError(f"prefetch={prefetch!r}: a prefetch depth (how many units stage 3 "
                          "gathers ahead) is an int k >= 1, at stage 3 only; prefetch=False "
                          "gathers none ahead, True one")
-    if not isinstance(check_order, bool):
-        raise TypeError(f"check_order must be True or False, got {check_order!r}")
-    if not isinstance(find_unused_parameters, bool):
-        raise TypeError("find_unused_parameters must be True or False, got "
-                        f"{find_unused_parameters!r}")
     if zero1_variant not in ZERO1_VARIANTS:
         raise ValueError(f"zero1_variant must be one of {ZERO1_VARIANTS}, got {zero1_variant!r}")
     if zero1_variant != "reduce_scatter" and stage != 1:
@@ -88,11 +86,6 @@ def check_overlap(stage, zero1_variant, overlap_param_gather, overlap_grad_reduc
     faster on 2 CPU cores either)."""
     if overlap_grad_reduce is None:
         overlap_grad_reduce = stage != 1
-    for name, value in (("overlap_param_gather", overlap_param_gather),
-                        ("overlap_grad_reduce", overlap_grad_reduce),
-                        ("overlap_step", overlap_step)):
-        if not isinstance(value, bool):
-            raise TypeError(f"{name} must be True or False, got {value!r}")
     if overlap_param_gather and stage not in (1, 2):
         raise ValueError(f"overlap_param_gather applies to stages 1 and 2, not stage {stage} "
                          "(stage 0 sends no all-gather; stage 3 gathers before each unit's "
@@ -161,16 +154,15 @@ def check_settings(model: nn.Module, options: dict) -> tuple[bool, bool]:
     """Every refusal of shard()'s options (`options`: them by name, as given), before anything
     changes; returns (overlap_param_gather, overlap_grad_reduce) resolved."""
     o, stage = options, options["stage"]
+    for name in FLAGS:
+        if not (isinstance(o[name], bool) or name == "overlap_grad_reduce" and o[name] is None):
+            raise TypeError(f"{name} must be True or False, got {o[name]!r}")
     check_arguments(stage, o["bucket_mb"], o["prefetch"], o["precision"], o["transport"],
-                    o["zero1_variant"], o["unit_classes"], o["find_unused_parameters"],
-                    o["check_order"], o["root_params"])
+                    o["zero1_variant"], o["unit_classes"], o["check_order"], o["root_params"])
     check_accumulation_arguments(stage, o["grad_accumulation"], o["reshard_after_forward"])
     check_reshard_size(o["reshard_after_forward"], dist.get_world_size(), o["mesh"])
     overlap = check_overlap(stage, o["zero1_variant"], o["overlap_param_gather"],
                             o["overlap_grad_reduce"], o["overlap_step"])
-    for name in ("broadcast_buffers", "check_lockstep"):
-        if not isinstance(o[name], bool):
-            raise TypeError(f"{name} must be True or False, got {o[name]!r}")
     check_checkpoint_activations(o["checkpoint_activations"])
     check_policy(o["precision"], o["keep_fp32"], o["reduce_dtype"])
     if o["mesh"] is not None and o["find_unused_parameters"]:

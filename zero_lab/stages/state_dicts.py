@@ -48,24 +48,21 @@ from zero_lab.stages.gradient_sync import GradientSync
 def route_loading(model: nn.Module, sync: GradientSync,
                   masters: list[torch.Tensor] | None) -> None:
     """Install the hooks described above on a model `shard()` has just prepared."""
-    trainable = {id(p): (g, i) for g, group in enumerate(sync.groups)
-                 for i, p in enumerate(group.params)}
-    # Every state-dict name of every trainable parameter (a tied weight: several names).
-    names = {name: trainable[id(t)] for name, t in model.state_dict(keep_vars=True).items()
-             if id(t) in trainable}
-    model.register_load_state_dict_pre_hook(partial(_load_into_every_copy, sync, masters,
-                                                    names))
+    # Per trainable parameter: its flat group, its index there, the group's number (its
+    # master) and whether this rank holds a slice of it only.
+    laid_out = {id(p): (group, i, g, sync.group_sharded(g)) for g, group in enumerate(sync.groups)
+                for i, p in enumerate(group.params)}
+    if sync.stage == 3:  # frozen parameters stage 3 shards (zero3.FrozenPart): no master
+        laid_out |= {id(p): (unit.frozen.group, i, None, True) for unit in sync.units
+                     if unit.frozen for i, p in enumerate(unit.frozen.group.params)}
+    # Every state-dict name of each (a tied weight: several names).
+    names = {name: laid_out[id(t)] for name, t in model.state_dict(keep_vars=True).items()
+             if id(t) in laid_out}
+    model.register_load_state_dict_pre_hook(partial(_load_into_every_copy, masters,
+                                                    sync.stage == 3, names))
     if sync.stage == 3:
-        # Frozen parameters stage 3 shards (zero3.FrozenPart): W's value, this rank's piece.
-        frozen = {id(p): (unit.frozen.group, i) for unit in sync.units if unit.frozen
-                  for i, p in enumerate(unit.frozen.group.params)}
-        model.register_load_state_dict_pre_hook(partial(
-            _load_frozen_pieces, {name: frozen[id(t)] for name, t
-                                  in model.state_dict(keep_vars=True).items()
-                                  if id(t) in frozen}))
         for module in model.modules():  # a submodule's state_dict() too
-            module.register_state_dict_post_hook(partial(_refuse_pieces,
-                                                         set(trainable) | set(frozen)))
+            module.register_state_dict_post_hook(partial(_refuse_pieces, set(laid_out)))
     elif sync.stage == 0 and masters is not None:  # every rank holds the whole masters
         views = {id(p): view for g, group in enumerate(sync.groups)
                  for p, view in zip(group.params, group.views(masters[g]), strict=True)}
@@ -74,50 +71,27 @@ def route_loading(model: nn.Module, sync: GradientSync,
 
 
 @torch.no_grad()
-def _load_into_every_copy(sync: GradientSync, masters: list[torch.Tensor] | None,
-                          names: dict[str, tuple[int, int]], module: nn.Module,
-                          state_dict: dict, prefix: str, *_args) -> None:
-    for name, (g, i) in names.items():
+def _load_into_every_copy(masters: list[torch.Tensor] | None, pieces: bool, names: dict,
+                          module: nn.Module, state_dict: dict, prefix: str, *_args) -> None:
+    for name, (group, i, g, sharded) in names.items():
         key = prefix + name
         if key not in state_dict:
             continue  # torch reports it as missing (strict) or leaves it (strict=False)
-        group = sync.groups[g]
         value = state_dict[key]
         if tuple(value.shape) != tuple(group.shapes[i]):
             raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)} in the "
                              f"state dict, the model's is {tuple(group.shapes[i])}")
         flat = value.detach().reshape(-1)
         start, end = group.offsets[i], group.offsets[i] + group.numels[i]
-        sharded = sync.group_sharded(g)
         lo, hi = group.shard_range(group.rank) if sharded else (0, group.padded_numel)
-        if masters is not None:  # the elements of this parameter the master holds
-            a, b = max(start, lo), min(end, hi)
-            if a < b:
-                master, src = masters[g][a - lo:b - lo], flat[a - start:b - start]
-                if src.dtype != master.dtype:  # 16-bit values: the rounding of the master
-                    src = torch.where(master.to(src.dtype) == src, master, src.to(master.dtype))
-                master.copy_(src)
-        if sync.stage == 3 and sharded:  # torch copies this rank's piece into the parameter
-            a, b = max(start, lo), min(end, hi)
+        a, b = max(start, lo), min(end, hi)  # the elements of it this rank holds
+        if masters is not None and g is not None and a < b:  # into the master
+            master, src = masters[g][a - lo:b - lo], flat[a - start:b - start]
+            if src.dtype != master.dtype:  # 16-bit values: the rounding of the master
+                src = torch.where(master.to(src.dtype) == src, master, src.to(master.dtype))
+            master.copy_(src)
+        if pieces and sharded:  # stage 3: torch copies this rank's piece into the parameter
             state_dict[key] = flat[a - start:b - start] if a < b else flat[:0]
-
-
-@torch.no_grad()
-def _load_frozen_pieces(names: dict, module: nn.Module, state_dict: dict, prefix: str,
-                        *_args) -> None:
-    for name, (group, i) in names.items():
-        key = prefix + name
-        if key not in state_dict:
-            continue
-        value = state_dict[key]
-        if tuple(value.shape) != tuple(group.shapes[i]):
-            raise ValueError(f"load_state_dict: {key} has shape {tuple(value.shape)} in the "
-                             f"state dict, the model's is {tuple(group.shapes[i])}")
-        start, end = group.offsets[i], group.offsets[i] + group.numels[i]
-        lo, hi = group.shard_range(group.rank)
-        a, b = max(start, lo), min(end, hi)
-        flat = value.detach().reshape(-1)
-        state_dict[key] = flat[a - start:b - start] if a < b else flat[:0]
 
 
 def _refuse_pieces(trainable: set[int], module: nn.Module, state_dict: dict, prefix: str,
