@@ -63,9 +63,6 @@ SHARDED_STEP = RankExercise("zero1_zero2_exercises.py", "sharded_step", _sharded
                             sharded_step_cases)
 
 
-# --------------------------------------------------------------- reading the ranks' reports
-
-
 # --------------------------------------------------------------------------- owned range
 
 
