@@ -118,6 +118,24 @@ def test_summary_counts_minutes_past_a_minute():
     assert runner.summary(1, 2.04, Path("r")).startswith("1 notebook executed in 2.0 s")
 
 
+def test_a_dead_kernel_is_told_as_memory_with_fewer_ranks_to_try(tmp_path, monkeypatch, capsys):
+    from nbclient.exceptions import DeadKernelError
+
+    def dies(*_args):
+        raise DeadKernelError("Kernel died")
+
+    closed = []
+    monkeypatch.setattr(runner, "execute", dies)
+    with pytest.raises(SystemExit) as info:
+        runner.execute_or_exit(Path("07_x.ipynb"), tmp_path / "07_x.ipynb", {"nproc": 4}, None,
+                               type("Bar", (), {"close": lambda self: closed.append(1)})())
+    assert info.value.code == 1 and closed == [1]
+    assert capsys.readouterr().err == (
+        "\nFAILED: 07_x.ipynb: its kernel died with nproc=4, most likely killed for running out "
+        "of memory (the out-of-memory killer ends the largest process). Run it again with fewer "
+        "ranks (make run NPROC=2 ONLY=07) or with less else running.\n")
+
+
 def test_failure_names_notebook_and_cell(course_dirs, capsys):
     _notebook(course_dirs / "notebooks" / "00_ok.ipynb", "x = 1")
     _notebook(course_dirs / "notebooks" / "01_bad.ipynb", "y = 2", "1 / 0")

@@ -197,30 +197,25 @@ def execute_or_exit(nb: Path, out: Path, parameters: dict, config, bar) -> None:
     try:
         execute(nb, out, parameters, config)
     except PapermillExecutionError as err:
-        bar.close()
         first_line = (err.source or "").strip().splitlines()[:1]
-        print(
-            f"\nFAILED: {nb.name}, cell {err.cell_index} (execution count "
-            f"{err.exec_count}), starting {first_line[0] if first_line else ''!r}"
-            f"\n{err.ename}: {err.evalue}\nThe executed copy up to the failure is {out}",
-            file=sys.stderr,
-        )
-        raise SystemExit(1) from None
+        why = (f"{nb.name}, cell {err.cell_index} (execution count {err.exec_count}), starting "
+               f"{first_line[0] if first_line else ''!r}\n{err.ename}: {err.evalue}\nThe "
+               f"executed copy up to the failure is {out}")
     except DeadKernelError:
-        bar.close()
         kept = f"; the executed copy up to then is {out}" if out.exists() else ""
-        print(
-            f"\nFAILED: {nb.name}: its kernel died with nproc={parameters.get('nproc')}"
-            f", most likely killed for running out of memory (the out-of-memory "
-            f"killer ends the largest process). Run it again with fewer ranks (make run "
-            f"NPROC=2 ONLY={nb.name[:2]}) or with less else running{kept}.",
-            file=sys.stderr,
-        )
-        raise SystemExit(1) from None
+        why = (f"{nb.name}: its kernel died with nproc={parameters.get('nproc')}, most likely "
+               "killed for running out of memory (the out-of-memory killer ends the largest "
+               f"process). Run it again with fewer ranks (make run NPROC=2 ONLY={nb.name[:2]}) "
+               f"or with less else running{kept}.")
     except OSError:
         bar.close()
         with writes(str(out)):  # the learner's one line where the reason is known
             raise
+    else:
+        return
+    bar.close()
+    print(f"\nFAILED: {why}", file=sys.stderr)
+    raise SystemExit(1)
 
 
 STATUS = "status.json"

@@ -57,6 +57,18 @@ class LaunchTimeout(LaunchError):
 
 
 
+def _recorded_errors(run_dir: Path, nproc: int) -> list[dict]:
+    """The exceptions the ranks recorded. A rank stopped (torchrun's SIGTERM, a kill) while it
+    wrote its record leaves the file empty or cut short: that rank recorded nothing."""
+    errors = []
+    for r in range(nproc):
+        try:
+            errors.append(json.loads((run_dir / f"rank{r}.error.json").read_text()))
+        except (FileNotFoundError, json.JSONDecodeError):
+            continue
+    return errors
+
+
 def log_listing(run_dir: Path, nproc: int) -> str:
     files = [f"  rank {r}: {run_dir / f'rank{r}.out'}  {run_dir / f'rank{r}.err'}"
              for r in range(nproc)]
@@ -72,11 +84,7 @@ def failure(script: Path, nproc: int, run_dir: Path, returncode: int,
     `oom_before`: the out-of-memory killer's count read as the launch started; where it
     rose since, a rank killed by SIGKILL is said to be its victim as a fact.
     """
-    errors = sorted(
-        (json.loads(p.read_text()) for r in range(nproc)
-         if (p := run_dir / f"rank{r}.error.json").exists()),
-        key=lambda e: e["time"],
-    )
+    errors = sorted(_recorded_errors(run_dir, nproc), key=lambda e: e["time"])
     death = _silent_death(errors, *_rank_exits(run_dir))
     if death is not None:
         rank = death.rank
